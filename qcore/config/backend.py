@@ -1,0 +1,118 @@
+"""BackendConfig: the set of patterns a backend can quantize, keyed by pattern."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from qcore.config.errors import DuplicatePatternError, invalid
+from qcore.config.pattern import BackendPatternConfig, Pattern, format_pattern
+
+__all__ = ["BackendConfig"]
+
+
+class BackendConfig:
+    """Everything a backend supports, one BackendPatternConfig per pattern.
+
+    Setting a second config for a pattern already present raises
+    :class:`~qcore.config.errors.DuplicatePatternError`; pass ``replace=True``
+    to replace it on purpose.
+
+    Example (the BackendConfig tutorial, step 4)::
+
+        >>> backend_config = (BackendConfig("my_backend")
+        ...     .set_backend_pattern_config(linear_config)
+        ...     .set_backend_pattern_config(conv_relu_config)
+        ...     .set_backend_pattern_config(fused_conv_relu_config))
+    """
+
+    def __init__(self, name: str = "") -> None:
+        self.name = ""
+        self._pattern_complex_format_to_config: dict[Pattern, BackendPatternConfig] = {}
+        self.set_name(name)
+
+    def __repr__(self) -> str:
+        return f"BackendConfig(name={self.name!r}, patterns={len(self)})"
+
+    def __len__(self) -> int:
+        return len(self._pattern_complex_format_to_config)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, BackendConfig)
+            and self.name == other.name
+            and self._pattern_complex_format_to_config == other._pattern_complex_format_to_config
+        )
+
+    __hash__ = None  # mutable builder
+
+    def set_name(self, name: str) -> BackendConfig:
+        """Set the backend's name."""
+        if not isinstance(name, str):
+            raise invalid("BackendConfig.name", name, "a str")
+        self.name = name
+        return self
+
+    def set_backend_pattern_config(
+        self, config: BackendPatternConfig, *, replace: bool = False
+    ) -> BackendConfig:
+        """Add the config for one pattern.
+
+        A pattern already present is an error unless ``replace=True``.
+        """
+        if not isinstance(config, BackendPatternConfig):
+            raise invalid("BackendConfig.configs[]", config, "a BackendPatternConfig")
+        key = config.pattern_complex_format
+        if key in self._pattern_complex_format_to_config and not replace:
+            raise DuplicatePatternError(
+                f"BackendConfig {self.name!r}: pattern {config.describe_pattern()} is already "
+                "configured; expected each pattern once (pass replace=True to replace it)"
+            )
+        self._pattern_complex_format_to_config[key] = config
+        return self
+
+    def set_backend_pattern_configs(
+        self, configs: Iterable[BackendPatternConfig], *, replace: bool = False
+    ) -> BackendConfig:
+        """Add several pattern configs; see :meth:`set_backend_pattern_config`."""
+        if isinstance(configs, BackendPatternConfig) or not hasattr(configs, "__iter__"):
+            raise invalid("BackendConfig.configs", configs, "a list of BackendPatternConfig")
+        for config in configs:
+            self.set_backend_pattern_config(config, replace=replace)
+        return self
+
+    @property
+    def configs(self) -> list[BackendPatternConfig]:
+        """The pattern configs, in the order they were set."""
+        return list(self._pattern_complex_format_to_config.values())
+
+    def get(self, pattern_complex_format: Pattern) -> BackendPatternConfig | None:
+        """The config stored for a pattern (in complex format), or None."""
+        return self._pattern_complex_format_to_config.get(pattern_complex_format)
+
+    def patterns(self) -> list[str]:
+        """Readable names of the configured patterns, in order."""
+        return [format_pattern(key) for key in self._pattern_complex_format_to_config]
+
+    @classmethod
+    def from_dict(cls, backend_config_dict: dict[str, Any]) -> BackendConfig:
+        """Build from ``{"name": str, "configs": [BackendPatternConfig or dict, ...]}``."""
+        if not isinstance(backend_config_dict, dict):
+            raise invalid("BackendConfig", backend_config_dict, "a dict")
+        unknown = set(backend_config_dict) - {"name", "configs"}
+        if unknown:
+            raise invalid("BackendConfig", sorted(unknown)[0], "one of the keys ['configs', 'name']")
+        config = cls(backend_config_dict.get("name", ""))
+        for index, item in enumerate(backend_config_dict.get("configs", [])):
+            if isinstance(item, dict):
+                item = BackendPatternConfig.from_dict(item)
+            elif not isinstance(item, BackendPatternConfig):
+                raise invalid(
+                    f"BackendConfig.configs[{index}]", item, "a BackendPatternConfig or a dict"
+                )
+            config.set_backend_pattern_config(item)
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        """The dict form read by :meth:`from_dict`."""
+        return {"name": self.name, "configs": [config.to_dict() for config in self.configs]}

@@ -1,0 +1,223 @@
+"""What a backend accepts: ObservationType, DTypeWithConstraints, DTypeConfig.
+
+API-compatible with ``torch.ao.quantization.backend_config`` (seed 001), but
+validated on construction: a wrong type or a contradictory bound raises a
+:class:`~qcore.config.errors.ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from qcore.config.errors import invalid
+
+__all__ = ["ObservationType", "DTypeWithConstraints", "DTypeConfig"]
+
+
+class ObservationType(enum.Enum):
+    """How the input and output of a pattern are observed.
+
+    The values match torch.ao's so a torch.ao config converts one to one.
+    """
+
+    OUTPUT_USE_DIFFERENT_OBSERVER_AS_INPUT = 0
+    """Input and output get their own observers (conv, linear, softmax)."""
+
+    OUTPUT_SHARE_OBSERVER_WITH_INPUT = 1
+    """The output shares the input's observer instance (cat, maxpool)."""
+
+    INPUT_OUTPUT_NOT_OBSERVED = 2
+    """Neither input nor output is observed (x.shape, x.size)."""
+
+
+_NUMBER = (int, float)
+
+
+def _check_optional_number(owner: str, name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, _NUMBER) or math.isnan(value):
+        raise invalid(f"{owner}.{name}", value, "an int, a float or None")
+
+
+def _check_optional_dtype(field_name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, torch.dtype):
+        raise invalid(field_name, value, "a torch.dtype (e.g. torch.quint8) or None")
+
+
+@dataclass(frozen=True)
+class DTypeWithConstraints:
+    """A dtype plus the limits a backend places on the QConfig that uses it.
+
+    * ``quant_min_lower_bound`` / ``quant_max_upper_bound``: the observer's
+      quant_min and quant_max must lie within these bounds.
+    * ``scale_min_lower_bound`` / ``scale_max_upper_bound``: the observer's
+      smallest scale (its ``eps``) must not fall below the lower bound; the
+      largest must not exceed the upper one.
+    * ``scale_exact_match`` / ``zero_point_exact_match``: fixed qparams, for
+      ops such as sigmoid; the observer must be a fixed-qparams one with these
+      exact values.
+
+    Example::
+
+        >>> DTypeWithConstraints(dtype=torch.quint8, quant_min_lower_bound=0,
+        ...                      quant_max_upper_bound=255, scale_min_lower_bound=2**-12)
+    """
+
+    dtype: torch.dtype | None = None
+    quant_min_lower_bound: int | float | None = None
+    quant_max_upper_bound: int | float | None = None
+    scale_min_lower_bound: int | float | None = None
+    scale_max_upper_bound: int | float | None = None
+    scale_exact_match: float | None = None
+    zero_point_exact_match: int | None = None
+
+    def __post_init__(self) -> None:
+        owner = "DTypeWithConstraints"
+        _check_optional_dtype(f"{owner}.dtype", self.dtype)
+        for f in fields(self)[1:]:
+            _check_optional_number(owner, f.name, getattr(self, f.name))
+        self._check_ordered("quant_min_lower_bound", "quant_max_upper_bound")
+        self._check_ordered("scale_min_lower_bound", "scale_max_upper_bound")
+        for name in ("scale_min_lower_bound", "scale_max_upper_bound", "scale_exact_match"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise invalid(f"{owner}.{name}", value, "a scale greater than 0")
+
+    def _check_ordered(self, low_name: str, high_name: str) -> None:
+        low, high = getattr(self, low_name), getattr(self, high_name)
+        if low is not None and high is not None and low > high:
+            raise invalid(
+                f"DTypeWithConstraints.{low_name}",
+                low,
+                f"a value no greater than {high_name}={high}",
+            )
+
+    @property
+    def has_constraints(self) -> bool:
+        """True when any field other than ``dtype`` is set."""
+        return any(getattr(self, f.name) is not None for f in fields(self)[1:])
+
+
+def _with_constraints(field_name: str, value: Any) -> DTypeWithConstraints:
+    if isinstance(value, DTypeWithConstraints):
+        return value
+    _check_optional_dtype(field_name, value)
+    return DTypeWithConstraints(dtype=value)
+
+
+class DTypeConfig:
+    """The dtypes a pattern's quantize ops take, with optional constraints.
+
+    In the reference pattern ``quant1 - [dequant1 - fp32_op - quant2] - dequant2``
+    ``input_dtype`` is the dtype of quant1 and ``output_dtype`` that of quant2.
+    A QConfig whose dtypes match (and which satisfies the constraints) makes the
+    pattern quantized; otherwise the pattern stays in float and ``qcore.explain``
+    says why.
+
+    Example::
+
+        >>> DTypeConfig(input_dtype=torch.quint8, output_dtype=torch.quint8,
+        ...             weight_dtype=torch.qint8, bias_dtype=torch.float)
+    """
+
+    __slots__ = (
+        "input_dtype_with_constraints",
+        "output_dtype_with_constraints",
+        "weight_dtype_with_constraints",
+        "bias_dtype",
+        "is_dynamic",
+    )
+
+    def __init__(
+        self,
+        input_dtype: torch.dtype | DTypeWithConstraints | None = None,
+        output_dtype: torch.dtype | DTypeWithConstraints | None = None,
+        weight_dtype: torch.dtype | DTypeWithConstraints | None = None,
+        bias_dtype: torch.dtype | None = None,
+        is_dynamic: bool | None = None,
+    ) -> None:
+        self.input_dtype_with_constraints = _with_constraints(
+            "DTypeConfig.input_dtype", input_dtype
+        )
+        self.output_dtype_with_constraints = _with_constraints(
+            "DTypeConfig.output_dtype", output_dtype
+        )
+        self.weight_dtype_with_constraints = _with_constraints(
+            "DTypeConfig.weight_dtype", weight_dtype
+        )
+        _check_optional_dtype("DTypeConfig.bias_dtype", bias_dtype)
+        if is_dynamic is not None and not isinstance(is_dynamic, bool):
+            raise invalid("DTypeConfig.is_dynamic", is_dynamic, "True, False or None")
+        self.bias_dtype = bias_dtype
+        self.is_dynamic = is_dynamic
+
+    @property
+    def input_dtype(self) -> torch.dtype | None:
+        return self.input_dtype_with_constraints.dtype
+
+    @property
+    def output_dtype(self) -> torch.dtype | None:
+        return self.output_dtype_with_constraints.dtype
+
+    @property
+    def weight_dtype(self) -> torch.dtype | None:
+        return self.weight_dtype_with_constraints.dtype
+
+    def _key(self) -> tuple:
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DTypeConfig) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        parts = []
+        for name in ("input", "output", "weight"):
+            constrained = getattr(self, f"{name}_dtype_with_constraints")
+            if constrained.has_constraints:
+                parts.append(f"{name}_dtype={constrained!r}")
+            elif constrained.dtype is not None:
+                parts.append(f"{name}_dtype={constrained.dtype}")
+        if self.bias_dtype is not None:
+            parts.append(f"bias_dtype={self.bias_dtype}")
+        if self.is_dynamic is not None:
+            parts.append(f"is_dynamic={self.is_dynamic}")
+        return f"DTypeConfig({', '.join(parts)})"
+
+    @classmethod
+    def from_dict(cls, dtype_config_dict: dict[str, Any]) -> DTypeConfig:
+        """Build from a dict with the optional keys ``input_dtype``,
+        ``output_dtype``, ``weight_dtype`` (each a torch.dtype or a
+        DTypeWithConstraints), ``bias_dtype`` and ``is_dynamic``."""
+        if not isinstance(dtype_config_dict, dict):
+            raise invalid("DTypeConfig", dtype_config_dict, "a dict")
+        unknown = set(dtype_config_dict) - set(_DTYPE_CONFIG_KEYS)
+        if unknown:
+            raise invalid(
+                "DTypeConfig", sorted(unknown)[0], f"one of the keys {list(_DTYPE_CONFIG_KEYS)}"
+            )
+        return cls(**dtype_config_dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The inverse of :meth:`from_dict`; unset fields are left out."""
+        result: dict[str, Any] = {}
+        for name in ("input", "output", "weight"):
+            constrained = getattr(self, f"{name}_dtype_with_constraints")
+            if constrained.dtype is not None:
+                result[f"{name}_dtype"] = constrained
+        if self.bias_dtype is not None:
+            result["bias_dtype"] = self.bias_dtype
+        if self.is_dynamic is not None:
+            result["is_dynamic"] = self.is_dynamic
+        return result
+
+
+_DTYPE_CONFIG_KEYS = ("input_dtype", "output_dtype", "weight_dtype", "bias_dtype", "is_dynamic")
