@@ -101,7 +101,9 @@ class BackendConfig:
             raise invalid("BackendConfig", backend_config_dict, "a dict")
         unknown = set(backend_config_dict) - {"name", "configs"}
         if unknown:
-            raise invalid("BackendConfig", sorted(unknown)[0], "one of the keys ['configs', 'name']")
+            raise invalid(
+                "BackendConfig", sorted(unknown)[0], "one of the keys ['configs', 'name']"
+            )
         config = cls(backend_config_dict.get("name", ""))
         for index, item in enumerate(backend_config_dict.get("configs", [])):
             if isinstance(item, dict):

@@ -17,7 +17,7 @@ BackendConfig stores a pattern under.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -26,7 +26,7 @@ from qcore.config.errors import ConfigError, describe, invalid
 
 __all__ = ["BackendPatternConfig", "Pattern", "to_complex_format", "format_pattern"]
 
-Pattern = Union[Callable, str, tuple]
+Pattern = Callable | str | tuple
 
 
 def _check_pattern_item(field_name: str, item: Any) -> None:
@@ -321,7 +321,9 @@ class BackendPatternConfig:
                 value = [_as_dtype_config(index, item) for index, item in enumerate(value)]
             getattr(config, setter_name)(value)
         if "pattern_complex_format" in backend_pattern_config_dict:
-            config._set_pattern_complex_format(backend_pattern_config_dict["pattern_complex_format"])
+            config._set_pattern_complex_format(
+                backend_pattern_config_dict["pattern_complex_format"]
+            )
         return config
 
     def to_dict(self) -> dict[str, Any]:
