@@ -1,0 +1,74 @@
+"""Every hook a qcore backend plugin can implement.
+
+A plugin is a module (or object) found through the ``qcore.backends`` entry
+point group. The entry point's *name* is the backend the plugin serves, so
+``qcore backends`` can list names without importing anything::
+
+    [project.entry-points."qcore.backends"]
+    mychip = "qcore_mychip.plugin"
+
+Several plugins may serve one name (a vendor adding kernels to ``x86``): their
+contributions are merged. Each hook receives the backend name it is asked
+about, so one module may serve several entry points. Returning ``None`` means
+"nothing to add". Implementations are marked with :data:`qcore.hookimpl`::
+
+    from qcore import hookimpl
+
+    QCORE_PLUGIN_API_VERSION = 1
+
+    @hookimpl
+    def qcore_backend_pattern_configs(backend):
+        return [linear_config, conv_relu_config]
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from qcore.plugin.markers import hookspec
+
+if TYPE_CHECKING:
+    from qcore.config import BackendPatternConfig
+    from qcore.plugin.kernels import Kernel
+
+
+@hookspec
+def qcore_backend_pattern_configs(backend: str) -> list[BackendPatternConfig] | None:
+    """The operator patterns this plugin supports for ``backend``.
+
+    Called once, the first time ``backend`` (or ``"native"``) is asked for.
+    Returns BackendPatternConfigs, including the fusion patterns with their
+    fuser methods and fused modules. When several plugins configure the same
+    pattern, their dtype configs are united (see ``qcore.plugin.union``).
+    """
+
+
+@hookspec
+def qcore_backend_kernels(backend: str) -> list[Kernel] | None:
+    """The int8 kernels this plugin provides for ``backend``.
+
+    Called once, the first time ``backend`` is asked for. Returns
+    :class:`qcore.Kernel` objects; at convert, each replaces the reference
+    patterns it matches. A pattern no kernel matches stays in reference form.
+    """
+
+
+@hookspec(firstresult=True)
+def qcore_default_qconfig_mapping(backend: str, is_qat: bool) -> Any | None:
+    """The QConfigMapping users get when they pass no mapping of their own.
+
+    Called when a default mapping for ``backend`` is needed, with
+    ``is_qat=True`` for quantization-aware training. Returns a QConfigMapping
+    (qcore's or torch.ao's), or None to leave it to another plugin. The first
+    non-None answer wins, in plugin order.
+    """
+
+
+@hookspec(firstresult=True)
+def qcore_backend_quantizer(backend: str) -> Any | None:
+    """A hand-written PT2E Quantizer for ``backend``, or None.
+
+    Called when the PT2E path asks for ``backend``'s quantizer. A Quantizer
+    returned here takes precedence over the one qcore compiles from the
+    backend's BackendConfig. The first non-None answer wins.
+    """
