@@ -17,6 +17,20 @@ from qcore.config import (
     DuplicatePatternError,
     ObservationType,
 )
+from qcore.config.errors import QCoreWarning
+from qcore.plugin import (
+    PLUGIN_API_VERSION,
+    Backend,
+    BackendLoadError,
+    Kernel,
+    PluginAPIVersionError,
+    UnknownBackendError,
+    get_backend,
+    get_backend_config,
+    hookimpl,
+    list_backends,
+    register_plugin,
+)
 
 __version__ = "0.1.0"
 
@@ -28,5 +42,17 @@ __all__ = [
     "DTypeWithConstraints",
     "DuplicatePatternError",
     "ObservationType",
+    "PLUGIN_API_VERSION",
+    "Backend",
+    "BackendLoadError",
+    "Kernel",
+    "PluginAPIVersionError",
+    "QCoreWarning",
+    "UnknownBackendError",
     "__version__",
+    "get_backend",
+    "get_backend_config",
+    "hookimpl",
+    "list_backends",
+    "register_plugin",
 ]

@@ -32,3 +32,7 @@ def describe(value: Any) -> str:
 def invalid(field: str, value: Any, expected: str) -> ConfigError:
     """Build the standard error: ``field: got <value>; expected <expected>``."""
     return ConfigError(f"{field}: got {describe(value)}; expected {expected}")
+
+
+class QCoreWarning(UserWarning):
+    """qcore's own warnings: few, grouped, each saying what to do."""
