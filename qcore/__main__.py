@@ -1,0 +1,5 @@
+import sys
+
+from qcore.cli import main
+
+sys.exit(main())

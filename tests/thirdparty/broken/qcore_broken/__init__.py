@@ -1,0 +1,1 @@
+"""Plugins that fail in each way a real one can."""

@@ -1,0 +1,1 @@
+"""qcore-mychip: the tutorial's backend (quantized linear and conv-relu), packaged."""
