@@ -150,6 +150,7 @@ class BackendRegistry:
         with self._lock:
             if self._plugins is None:
                 specs = [] if autoload_disabled(self._environ) else self._find()
+                specs = sorted(specs, key=lambda s: (s.backend, s.distribution, s.target))
                 blocked = blocked_names(self._environ)
                 self._plugins = [
                     Plugin(
