@@ -1,0 +1,91 @@
+"""Fusion: replace module sequences with the fused modules a backend asks for.
+
+A BackendPatternConfig with a ``fuser_method`` is a fusion rule. Every match
+is handed to the fuser as module instances (a functional or method relu
+becomes ``nn.ReLU()`` first): in forward order for a pattern set with
+``set_pattern``, in the pattern's nested order for a complex-format one.
+The fused module takes the first module's name and place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.fx import GraphModule, Node
+
+from qcore.config import BackendConfig
+from qcore.engine.match import find_matches
+
+__all__ = ["fuse_graph", "fusion_rules"]
+
+_AS_MODULE: dict[Any, Callable[[], torch.nn.Module]] = {
+    F.relu: torch.nn.ReLU,
+    torch.relu: torch.nn.ReLU,
+    "relu": torch.nn.ReLU,
+}
+
+
+def fusion_rules(backend_config: BackendConfig) -> list:
+    return [config for config in backend_config.configs if config.fuser_method is not None]
+
+
+def _as_module(node: Node, modules: dict[str, torch.nn.Module]) -> torch.nn.Module | None:
+    if node.op == "call_module":
+        return modules[node.target]
+    make = _AS_MODULE.get(node.target)
+    return make() if make is not None else None
+
+
+def _nested_modules(nested: Any, modules: dict[str, torch.nn.Module]) -> Any:
+    if isinstance(nested, tuple):
+        return tuple(_nested_modules(item, modules) for item in nested)
+    return _as_module(nested, modules)
+
+
+def _set_module(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, attr, module)
+
+
+def fuse_graph(
+    gm: GraphModule, backend_config: BackendConfig, is_qat: bool, on_fused: Callable | None = None
+) -> int:
+    """Fuse in place; ``on_fused(new_node, old_nodes)`` is told of each fusion.
+    Returns the number of fusions."""
+    rules = fusion_rules(backend_config)
+    if not rules:
+        return 0
+    modules = dict(gm.named_modules())
+    matches = {id(m): m for m in find_matches(list(gm.graph.nodes), rules, modules).values()}
+    count = 0
+    for match in matches.values():
+        if len(match.nodes) < 2:
+            continue
+        root = match.nodes[-1]
+        if root.op != "call_module":
+            continue
+        if match.config.pattern is not None:
+            parts = [_as_module(node, modules) for node in reversed(match.nodes)]
+            if any(part is None for part in parts):
+                continue
+            fused = match.config.fuser_method(is_qat, *parts)
+        else:
+            nested = _nested_modules(match.nested, modules)
+            fused = match.config.fuser_method(is_qat, *nested)
+        _set_module(gm, root.target, fused)
+        with gm.graph.inserting_after(match.output):
+            new_node = gm.graph.call_module(root.target, root.args, root.kwargs)
+        new_node.meta = dict(root.meta)
+        match.output.replace_all_uses_with(new_node)
+        for node in match.nodes:
+            gm.graph.erase_node(node)
+        if on_fused is not None:
+            on_fused(new_node, match.nodes)
+        count += 1
+    if count:
+        gm.delete_all_unused_submodules()
+        gm.recompile()
+    return count

@@ -1,0 +1,144 @@
+"""Matching BackendConfig patterns (complex format) against torch.fx nodes.
+
+A pattern in complex format is an op, or ``(op, arg0_pattern, arg1_pattern, ...)``:
+the node matching ``op`` must have ``args[i]`` matching ``argi_pattern``. An op is
+a module class (matched by exact type, as torch.ao does), a function (by
+identity) or a method name. ``MatchAllNode`` (qcore's, or torch.ao's) matches
+any argument without consuming it. Nodes inside a multi-node match other than
+its output must have no other users, or the pattern would change what they
+compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from qcore.config import BackendPatternConfig
+
+__all__ = ["Match", "MatchAllNode", "find_matches", "match_pattern", "node_op"]
+
+
+class MatchAllNode:
+    """In a complex-format pattern: any argument matches here."""
+
+
+def _is_match_all(op: Any) -> bool:
+    return op is MatchAllNode or getattr(op, "__name__", None) == "MatchAllNode"
+
+
+def node_op(node: Node, modules: Mapping[str, torch.nn.Module]) -> Any:
+    """What a node runs: the module's class, the function, or the method name."""
+    if node.op == "call_module":
+        return type(modules[node.target])
+    if node.op in ("call_function", "call_method"):
+        return node.target
+    return None
+
+
+def _op_matches(node: Node, op: Any, modules: Mapping[str, torch.nn.Module]) -> bool:
+    if isinstance(op, type) and issubclass(op, torch.nn.Module):
+        return node.op == "call_module" and type(modules[node.target]) is op
+    if isinstance(op, str):
+        return node.op == "call_method" and node.target == op
+    return node.op == "call_function" and node.target is op
+
+
+def match_pattern(
+    node: Any, pattern: Any, modules: Mapping[str, torch.nn.Module], *, is_output: bool = True
+) -> Any | None:
+    """The nested match (Nodes in the pattern's shape), or None.
+
+    ``MatchAllNode`` positions hold the argument itself.
+    """
+    op, arg_patterns = (pattern[0], pattern[1:]) if isinstance(pattern, tuple) else (pattern, ())
+    if _is_match_all(op):
+        return node
+    if not isinstance(node, Node) or not _op_matches(node, op, modules):
+        return None
+    if not is_output and len(node.users) > 1:
+        return None
+    if not arg_patterns:
+        return node
+    if len(node.args) < len(arg_patterns):
+        return None
+    matched = [node]
+    for arg, arg_pattern in zip(node.args, arg_patterns, strict=False):
+        sub = match_pattern(arg, arg_pattern, modules, is_output=False)
+        if sub is None:
+            return None
+        matched.append(sub)
+    return tuple(matched)
+
+
+def _flatten(nested: Any, pattern: Any) -> list[Node]:
+    """Nodes of a nested match, MatchAllNode positions left out."""
+    if isinstance(pattern, tuple):
+        if _is_match_all(pattern[0]):
+            return []
+        nodes = [nested[0]]
+        for sub, sub_pattern in zip(nested[1:], pattern[1:], strict=True):
+            nodes += _flatten(sub, sub_pattern)
+        return nodes
+    return [] if _is_match_all(pattern) else [nested]
+
+
+def _default_root(nested: Any) -> Node:
+    while isinstance(nested, tuple):
+        nested = nested[-1]
+    return nested
+
+
+@dataclass
+class Match:
+    """One occurrence of a pattern: its nodes, its root and its output node."""
+
+    config: BackendPatternConfig
+    nested: Any
+    nodes: list[Node]
+    root: Node
+    output: Node
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def node_set(self) -> set[Node]:
+        return set(self.nodes)
+
+
+def _pattern_size(pattern: Any) -> int:
+    if isinstance(pattern, tuple):
+        return 1 + sum(_pattern_size(sub) for sub in pattern[1:])
+    return 0 if _is_match_all(pattern) else 1
+
+
+def find_matches(
+    nodes: list[Node],
+    configs: list[BackendPatternConfig],
+    modules: Mapping[str, torch.nn.Module],
+) -> dict[Node, Match]:
+    """Match every node at most once, larger patterns first, from the graph's
+    end to its start (as torch.ao does). Returns node -> its Match."""
+    ordered = sorted(configs, key=lambda c: -_pattern_size(c.pattern_complex_format))
+    matched: dict[Node, Match] = {}
+    for node in reversed(nodes):
+        if node in matched or node.op not in ("call_module", "call_function", "call_method"):
+            continue
+        for config in ordered:
+            pattern = config.pattern_complex_format
+            nested = match_pattern(node, pattern, modules)
+            if nested is None:
+                continue
+            flat = _flatten(nested, pattern)
+            if any(n in matched for n in flat):
+                continue
+            getter = config._root_node_getter
+            root = getter(nested) if getter is not None else _default_root(nested)
+            found = Match(config, nested, flat, root, node)
+            for n in flat:
+                matched[n] = found
+            break
+    return matched

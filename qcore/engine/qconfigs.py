@@ -1,0 +1,104 @@
+"""Which QConfig applies to each node, by torch.ao's precedence rules.
+
+Precedence, lowest to highest: global, object type (the module class, the
+function or the method name; for a function, also the class of the module it
+is called in), module name regex (first match wins), module name (a parent's
+entry covers its children), and (module name, object type, index).
+
+Works with qcore's QConfigMapping and with torch.ao's, which share these
+attribute names.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+__all__ = ["assign_qconfigs", "node_scope", "qconfig_equals"]
+
+
+def node_scope(node: Node, root_type: type) -> tuple[str, type]:
+    """(module path, module class) of the module whose forward made ``node``."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return "", root_type
+    path, cls = list(stack.values())[-1]
+    return path, cls
+
+
+def _parent(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _by_module_name(mapping: Any, name: str, fallback: Any) -> Any:
+    while name:
+        if name in mapping.module_name_qconfigs:
+            return mapping.module_name_qconfigs[name]
+        name = _parent(name)
+    return fallback
+
+
+def _by_type_or_name(mapping: Any, object_type: Any, module_name: str, fallback: Any) -> Any:
+    qconfig = mapping.object_type_qconfigs.get(object_type, fallback)
+    for regex, regex_qconfig in mapping.module_name_regex_qconfigs.items():
+        if re.match(regex, module_name):
+            qconfig = regex_qconfig
+            break
+    return _by_module_name(mapping, module_name, qconfig)
+
+
+def _by_order(mapping: Any, path: str, object_type: Any, index: int, fallback: Any) -> Any:
+    return mapping.module_name_object_type_order_qconfigs.get((path, object_type, index), fallback)
+
+
+def assign_qconfigs(
+    nodes: list[Node], modules: Mapping[str, torch.nn.Module], mapping: Any, root_type: type
+) -> dict[Node, Any]:
+    """node -> its QConfig (or None) for every call node."""
+    seen: dict[str, dict[Any, int]] = defaultdict(lambda: defaultdict(int))
+    result: dict[Node, Any] = {}
+    base = mapping.global_qconfig
+    for node in nodes:
+        if node.op == "call_function":
+            path, module_type = node_scope(node, root_type)
+            own = mapping.object_type_qconfigs.get(node.target, base)
+            qconfig = _by_type_or_name(mapping, module_type, path, own)
+            index = seen[path][node.target]
+            seen[path][node.target] += 1
+            result[node] = _by_order(mapping, path, node.target, index, qconfig)
+        elif node.op == "call_method":
+            path, module_type = node_scope(node, root_type)
+            qconfig = _by_type_or_name(mapping, node.target, path, base)
+            result[node] = _by_type_or_name(mapping, module_type, path, qconfig)
+        elif node.op == "call_module":
+            module_type = type(modules[node.target])
+            qconfig = _by_type_or_name(mapping, module_type, node.target, base)
+            parent = _parent(node.target)
+            index = seen[parent][module_type]
+            seen[parent][module_type] += 1
+            result[node] = _by_order(mapping, parent, module_type, index, qconfig)
+    return result
+
+
+def _ctr_key(ctr: Any) -> Any:
+    """Constructors from with_args are partials; compare what they build."""
+    if ctr is None:
+        return None
+    inner = getattr(ctr, "p", ctr)  # torch.ao's _PartialWrapper keeps the partial in .p
+    func = getattr(inner, "func", inner)
+    keywords = getattr(inner, "keywords", {}) or {}
+    return (func, tuple(sorted((k, repr(v)) for k, v in keywords.items())))
+
+
+def qconfig_equals(a: Any, b: Any) -> bool:
+    """Whether two QConfigs build the same observers."""
+    if a is None or b is None:
+        return a is b
+    return _ctr_key(a.activation) == _ctr_key(b.activation) and _ctr_key(a.weight) == _ctr_key(
+        b.weight
+    )

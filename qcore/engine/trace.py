@@ -1,0 +1,119 @@
+"""Symbolic tracing for quantization, on a copy of the user's model.
+
+Modules from torch.nn and torch.ao.nn stay leaves (call_module nodes), as do
+the modules ``prepare_custom_config`` marks non-traceable. A model that cannot
+be traced gets an error naming the innermost module whose forward failed.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Tracer
+
+from qcore.config.errors import describe
+
+__all__ = ["CustomConfig", "TraceFailure", "as_custom_config", "trace"]
+
+
+class TraceFailure(RuntimeError):
+    """symbolic tracing could not follow a module's forward."""
+
+
+@dataclass(frozen=True)
+class CustomConfig:
+    """What of prepare_custom_config the engine uses (torch.ao's key names)."""
+
+    non_traceable_module_names: tuple[str, ...] = ()
+    non_traceable_module_classes: tuple[type, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def as_custom_config(config: Any) -> CustomConfig:
+    """Accept None, a dict with torch.ao's keys, or torch.ao's PrepareCustomConfig."""
+    if config is None:
+        return CustomConfig()
+    if isinstance(config, CustomConfig):
+        return config
+    if isinstance(config, dict):
+        known = {"non_traceable_module_name", "non_traceable_module_class"}
+        names = tuple(config.get("non_traceable_module_name", ()))
+        classes = tuple(config.get("non_traceable_module_class", ()))
+        extra = {k: v for k, v in config.items() if k not in known}
+    elif hasattr(config, "non_traceable_module_names"):
+        names = tuple(config.non_traceable_module_names)
+        classes = tuple(config.non_traceable_module_classes)
+        extra = {}
+    else:
+        raise TypeError(
+            f"prepare_custom_config: got {describe(config)}; expected None, a dict with keys "
+            "'non_traceable_module_name'/'non_traceable_module_class', or a PrepareCustomConfig"
+        )
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(
+                f"prepare_custom_config['non_traceable_module_name']: got {describe(name)}; "
+                "expected module names (str)"
+            )
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+            raise TypeError(
+                f"prepare_custom_config['non_traceable_module_class']: got {describe(cls)}; "
+                "expected torch.nn.Module subclasses"
+            )
+    return CustomConfig(names, classes, extra)
+
+
+class QuantizationTracer(Tracer):
+    def __init__(self, skipped_names: Iterable[str], skipped_classes: Iterable[type]) -> None:
+        super().__init__()
+        self.skipped_names = set(skipped_names)
+        self.skipped_classes = tuple(skipped_classes)
+
+    def is_leaf_module(self, module: torch.nn.Module, qualified_name: str) -> bool:
+        if qualified_name in self.skipped_names or isinstance(module, self.skipped_classes):
+            return True
+        if module.__module__.startswith(("torch.nn", "torch.ao.nn")):
+            return not isinstance(module, torch.nn.Sequential)
+        return False
+
+
+def _failing_module_name(model: torch.nn.Module, error: BaseException) -> tuple[str, type] | None:
+    names = {id(module): name for name, module in model.named_modules()}
+    found = None
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, torch.nn.Module) and id(candidate) in names:
+            found = (names[id(candidate)] or "<root>", type(candidate))
+    return found
+
+
+def trace(model: torch.nn.Module, custom_config: CustomConfig) -> GraphModule:
+    """Trace a deep copy of ``model``; the user's model is never touched."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: got {describe(model)}; expected a torch.nn.Module")
+    model = copy.deepcopy(model)
+    tracer = QuantizationTracer(
+        custom_config.non_traceable_module_names, custom_config.non_traceable_module_classes
+    )
+    try:
+        graph = tracer.trace(model)
+    except Exception as error:
+        where = _failing_module_name(model, error)
+        if where is None:
+            raise TraceFailure(
+                f"symbolic tracing failed: {type(error).__name__}: {error}"
+            ) from error
+        name, cls = where
+        raise TraceFailure(
+            f"symbolic tracing failed in module {name!r} ({cls.__name__}): "
+            f"{type(error).__name__}: {error}. Leave it unquantized and traced as a leaf with "
+            f"prepare_custom_config={{'non_traceable_module_name': [{name!r}]}} "
+            f"or {{'non_traceable_module_class': [{cls.__name__}]}}"
+        ) from error
+    return GraphModule(tracer.root, graph, type(model).__name__)
