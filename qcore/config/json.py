@@ -1,0 +1,725 @@
+"""The JSON form of a BackendConfig, with classes and functions resolved only
+through an allow-list.
+
+Format (version 1)::
+
+    {
+      "format": "qcore.BackendConfig",
+      "version": 1,
+      "name": "my_backend",
+      "configs": [
+        {
+          "pattern": [{"ref": "torch.nn.modules.conv.Conv2d"}, "relu"],
+          "observation_type": "OUTPUT_USE_DIFFERENT_OBSERVER_AS_INPUT",
+          "dtype_configs": [
+            {
+              "input_dtype": {"dtype": "quint8", "quant_min_lower_bound": 0,
+                              "quant_max_upper_bound": 255,
+                              "scale_min_lower_bound": 0.000244140625},
+              "output_dtype": "quint8",
+              "weight_dtype": "qint8",
+              "bias_dtype": "float32",
+              "is_dynamic": false
+            }
+          ],
+          "root_module": "torch.nn.modules.conv.Conv2d",
+          "fuser_method": "my_plugin.fusers.fuse_conv_relu",
+          "num_tensor_args_to_observation_type": {"2": "OUTPUT_SHARE_OBSERVER_WITH_INPUT"},
+          "input_type_to_index": {"weight": 1, "bias": 2}
+        }
+      ]
+    }
+
+Rules:
+
+* **Patterns** (``pattern``, ``pattern_complex_format``): a JSON string is a
+  *method name* (``"relu"`` means ``Tensor.relu``); ``{"ref": "qualified.name"}``
+  is a class or function; a JSON array is a tuple (the simple form in forward
+  order, or the nested complex form).
+* **Reference fields** (``root_module``, ``qat_module``,
+  ``reference_quantized_module_for_root``, ``fused_module``, ``fuser_method``,
+  ``root_node_getter``, ``extra_inputs_getter``) hold only references, so they
+  are plain qualified-name strings.
+* **Dtypes** are torch attribute names (``"quint8"``, ``"float32"``;
+  ``"torch.quint8"`` is read too). A dtype with constraints is an object with
+  a ``"dtype"`` key and the non-None DTypeWithConstraints fields.
+* **Observation types** are ObservationType member names.
+* Non-finite floats are written ``{"float": "inf"}``.
+
+Qualified names are ``module.qualname`` of the object (``torch.add``,
+``operator.add``, ``torch.nn.modules.linear.Linear``). Reading a name never
+imports a module outside the allow-list: an :class:`Allowlist` admits names
+under its module prefixes (by default ``torch``, ``qcore`` and ``operator``)
+and objects registered one by one with :meth:`Allowlist.allow`. Plugins
+register their fuser methods and modules with :func:`allow` (or
+:func:`allow_config`), or a whole package with :func:`allow_module_prefix`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json as _json
+import math
+import sys
+import types
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from qcore.config.backend import BackendConfig
+from qcore.config.dtypes import DTypeConfig, DTypeWithConstraints, ObservationType
+from qcore.config.errors import ConfigError, DuplicatePatternError, describe
+from qcore.config.pattern import BackendPatternConfig
+
+__all__ = [
+    "Allowlist",
+    "FORMAT",
+    "VERSION",
+    "allow",
+    "allow_config",
+    "allow_module_prefix",
+    "default_allowlist",
+    "from_json",
+    "qualified_name",
+    "to_json",
+]
+
+FORMAT = "qcore.BackendConfig"
+VERSION = 1
+
+DEFAULT_MODULE_PREFIXES = ("operator", "qcore", "torch")
+
+# Modules whose objects report an implementation module as ``__module__``.
+_MODULE_ALIASES = {"_operator": "operator"}
+
+_REF_FIELDS = (
+    "root_module",
+    "qat_module",
+    "reference_quantized_module_for_root",
+    "fused_module",
+    "fuser_method",
+    "root_node_getter",
+    "extra_inputs_getter",
+)
+_PATTERN_FIELDS = ("pattern", "pattern_complex_format")
+_CONSTRAINT_FIELDS = (
+    "quant_min_lower_bound",
+    "quant_max_upper_bound",
+    "scale_min_lower_bound",
+    "scale_max_upper_bound",
+    "scale_exact_match",
+    "zero_point_exact_match",
+)
+_DTYPE_KINDS = ("input_dtype", "output_dtype", "weight_dtype")
+
+
+def _within(module_name: str, prefix: str) -> bool:
+    return module_name == prefix or module_name.startswith(prefix + ".")
+
+
+def _canonical_module(module_name: str) -> str:
+    top, _, rest = module_name.partition(".")
+    if top in _MODULE_ALIASES:
+        return _MODULE_ALIASES[top] + ("." + rest if rest else "")
+    return module_name
+
+
+def _lookup_loaded(name: str) -> Any:
+    """Resolve ``name`` using only modules already imported; raise LookupError."""
+    parts = name.split(".")
+    for index in range(len(parts) - 1, 0, -1):
+        module = sys.modules.get(".".join(parts[:index]))
+        if module is None:
+            continue
+        obj: Any = module
+        try:
+            for part in parts[index:]:
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        return obj
+    raise LookupError(name)
+
+
+def _derive_name(obj: Any) -> str | None:
+    """The importable qualified name of a module-level class or function, or None."""
+    module_name = getattr(obj, "__module__", None)
+    if not isinstance(module_name, str):
+        return None
+    module_name = _canonical_module(module_name)
+    candidates = []
+    qualname = getattr(obj, "__qualname__", None)
+    if isinstance(qualname, str) and "<locals>" not in qualname:
+        candidates.append(f"{module_name}.{qualname}")
+    name = getattr(obj, "__name__", None)
+    if isinstance(name, str) and f"{module_name}.{name}" not in candidates:
+        candidates.append(f"{module_name}.{name}")
+    for candidate in candidates:
+        try:
+            if _lookup_loaded(candidate) is obj:
+                return candidate
+        except LookupError:
+            pass
+    # Module-level aliases such as torch.nn.functional.max_pool2d (made by a factory).
+    module = sys.modules.get(module_name)
+    if module is not None:
+        for attribute, value in vars(module).items():
+            if value is obj and not attribute.startswith("__"):
+                return f"{module_name}.{attribute}"
+    return None
+
+
+def qualified_name(obj: Any) -> str | None:
+    """The qualified name JSON uses for ``obj``, or None if it has none
+    (a lambda, a local function, an instance)."""
+    return _derive_name(obj)
+
+
+class Allowlist:
+    """Which qualified names JSON may refer to.
+
+    A name is allowed when it lies under one of the module prefixes
+    (``"torch"`` admits ``torch.nn.modules.conv.Conv2d``, not ``torchvision``)
+    or when the object was registered with :meth:`allow`. Resolving a name
+    imports at most modules under the allowed prefixes; every module met on the
+    way, and the object's own ``__module__``, must be allowed too, so
+    ``torch.os.system`` is refused.
+
+    Example::
+
+        >>> allowlist = Allowlist()              # torch, qcore, operator
+        >>> allowlist.allow(my_fuser)            # a module-level function
+        >>> allowlist.allow(make_fuser(nn.ReLU), name="my_plugin.fuse_relu")
+        >>> allowlist.allow_module_prefix("my_plugin")
+    """
+
+    def __init__(self, prefixes: Iterable[str] = DEFAULT_MODULE_PREFIXES) -> None:
+        self._prefixes: list[str] = []
+        self._by_name: dict[str, Any] = {}
+        self._by_id: dict[int, str] = {}
+        for prefix in prefixes:
+            self.allow_module_prefix(prefix)
+
+    def __repr__(self) -> str:
+        return f"Allowlist(prefixes={self.prefixes}, registered={len(self._by_name)})"
+
+    @property
+    def prefixes(self) -> list[str]:
+        return sorted(self._prefixes)
+
+    @property
+    def registered_names(self) -> list[str]:
+        return sorted(self._by_name)
+
+    def copy(self) -> Allowlist:
+        other = Allowlist(self._prefixes)
+        other._by_name = dict(self._by_name)
+        other._by_id = dict(self._by_id)
+        return other
+
+    # -- registration ---------------------------------------------------
+
+    def allow_module_prefix(self, prefix: str) -> None:
+        """Allow every name under the module ``prefix`` (e.g. ``"qcore_mychip"``)."""
+        parts = prefix.split(".") if isinstance(prefix, str) else []
+        if not parts or not all(part.isidentifier() for part in parts):
+            raise ConfigError(
+                f"Allowlist.prefix: got {describe(prefix)}; expected a dotted module name "
+                "such as 'qcore_mychip'"
+            )
+        if prefix not in self._prefixes:
+            self._prefixes.append(prefix)
+
+    def allow(self, obj: Any, name: str | None = None) -> Any:
+        """Allow one object; returns it, so it can decorate a function.
+
+        ``name`` defaults to the object's qualified name; give one for an object
+        that has none (a closure made by a factory). A name already registered
+        for another object is an error.
+        """
+        if name is None:
+            name = _derive_name(obj)
+            if name is None:
+                raise ConfigError(
+                    f"Allowlist.allow: got {describe(obj)}; expected a module-level class or "
+                    "function (it has no importable qualified name); define it at module "
+                    "level or pass name='package.module.name'"
+                )
+        elif not isinstance(name, str) or not all(p.isidentifier() for p in name.split(".")):
+            raise ConfigError(
+                f"Allowlist.allow name: got {describe(name)}; expected a dotted name such "
+                "as 'my_plugin.fusers.fuse_conv_relu'"
+            )
+        existing = self._by_name.get(name)
+        if existing is not None and existing is not obj:
+            raise ConfigError(
+                f"Allowlist.allow name: got {name!r} for {describe(obj)}; expected a name not "
+                f"already registered (it names {describe(existing)})"
+            )
+        self._by_name[name] = obj
+        self._by_id.setdefault(id(obj), name)
+        return obj
+
+    def allow_config(self, config: BackendConfig) -> list[str]:
+        """Allow every class and function a BackendConfig refers to.
+
+        Returns one line per object that could not be registered (no
+        qualified name), naming its field; nothing is raised for those.
+        """
+        problems = []
+        for index, pattern_config in enumerate(config.configs):
+            for field_name, obj in _referenced_objects(pattern_config):
+                if self.name_for(obj) is not None:
+                    continue
+                try:
+                    self.allow(obj)
+                except ConfigError as error:
+                    problems.append(f"configs[{index}].{field_name}: {error}")
+        return problems
+
+    # -- queries --------------------------------------------------------
+
+    def is_module_allowed(self, module_name: str) -> bool:
+        module_name = _canonical_module(module_name)
+        return any(_within(module_name, prefix) for prefix in self._prefixes)
+
+    def is_name_allowed(self, name: str) -> bool:
+        """Whether ``name`` is registered or lies under an allowed prefix
+        (this does not check that it resolves)."""
+        return name in self._by_name or self.is_module_allowed(name)
+
+    def describe_allowed(self) -> str:
+        text = f"names under the module prefixes {self.prefixes}"
+        if self._by_name:
+            text += f" or one of {len(self._by_name)} registered names"
+        return (
+            text + "; register others with qcore.config.json.allow(obj) or "
+            "allow_module_prefix('package')"
+        )
+
+    def name_for(self, obj: Any) -> str | None:
+        """The name ``obj`` is written under, or None if it is not allowed."""
+        name = self._by_id.get(id(obj))
+        if name is not None and self._by_name.get(name) is obj:
+            return name
+        name = _derive_name(obj)
+        if name is not None and self.is_module_allowed(name):
+            return name
+        return None
+
+    def reference(self, obj: Any, field: str) -> str:
+        """Like :meth:`name_for` but raise a ConfigError naming ``field``."""
+        name = self.name_for(obj)
+        if name is not None:
+            return name
+        derived = _derive_name(obj)
+        if derived is None:
+            how = (
+                "a module-level class or function (a lambda or local function has no "
+                "qualified name); define it at module level, or register it with "
+                "qcore.config.json.allow(obj, name='package.module.name')"
+            )
+        else:
+            how = (
+                f"an object in the allow-list ({self.describe_allowed()}); "
+                f"{derived!r} is outside it"
+            )
+        raise ConfigError(f"{field}: got {describe(obj)}; expected {how}")
+
+    def resolve(self, name: Any, field: str) -> Any:
+        """The object ``name`` refers to; a ConfigError naming ``field`` if the
+        name is not allowed or does not resolve."""
+        if not isinstance(name, str) or not name:
+            raise ConfigError(
+                f"{field}: got {describe(name)}; expected a qualified name string such as "
+                "'torch.nn.modules.linear.Linear'"
+            )
+        if name in self._by_name:
+            return self._by_name[name]
+        parts = name.split(".")
+        if not all(part.isidentifier() for part in parts) or len(parts) < 2:
+            raise ConfigError(
+                f"{field}: got {name!r}; expected a dotted qualified name such as "
+                "'torch.nn.modules.linear.Linear'"
+            )
+        if not self.is_module_allowed(name):
+            raise ConfigError(
+                f"{field}: got {name!r}, which is not in the allow-list; expected "
+                f"{self.describe_allowed()}"
+            )
+        # The shortest allowed module prefix of the name is the first import.
+        start = next(
+            index
+            for index in range(1, len(parts) + 1)
+            if self.is_module_allowed(".".join(parts[:index]))
+        )
+        module_name = _canonical_module(".".join(parts[:start]))
+        obj: Any = self._import(module_name, name, field)
+        for part in parts[start:]:
+            if isinstance(obj, types.ModuleType) and not hasattr(obj, part):
+                obj = self._import(f"{obj.__name__}.{part}", name, field)
+                continue
+            try:
+                obj = getattr(obj, part)
+            except AttributeError:
+                raise ConfigError(
+                    f"{field}: got {name!r}; expected an existing name, but "
+                    f"{describe(obj)} has no attribute {part!r}"
+                ) from None
+            if isinstance(obj, types.ModuleType) and not self.is_module_allowed(obj.__name__):
+                raise ConfigError(
+                    f"{field}: got {name!r}, which reaches module {obj.__name__!r} outside "
+                    f"the allow-list; expected {self.describe_allowed()}"
+                )
+        if isinstance(obj, types.ModuleType):
+            raise ConfigError(f"{field}: got {name!r}, a module; expected a class or function")
+        owner = getattr(obj, "__module__", None)
+        if isinstance(owner, str) and not self.is_module_allowed(owner):
+            if self._by_name.get(self._by_id.get(id(obj), "")) is not obj:
+                raise ConfigError(
+                    f"{field}: got {name!r}, which is {describe(obj)} defined in module "
+                    f"{owner!r} outside the allow-list; expected {self.describe_allowed()}"
+                )
+        return obj
+
+    def _import(self, module_name: str, name: str, field: str) -> types.ModuleType:
+        if not self.is_module_allowed(module_name):  # pragma: no cover - defensive
+            raise ConfigError(
+                f"{field}: got {name!r}; expected {self.describe_allowed()} "
+                f"(module {module_name!r} is outside it)"
+            )
+        try:
+            return importlib.import_module(module_name)
+        except ImportError as error:
+            raise ConfigError(
+                f"{field}: got {name!r}; expected an importable name, but importing "
+                f"{module_name!r} failed: {error}"
+            ) from None
+
+
+default_allowlist = Allowlist()
+"""The allow-list used when none is passed: torch, qcore, operator, and
+whatever plugins register."""
+
+
+def allow(obj: Any, name: str | None = None) -> Any:
+    """Register ``obj`` in the default allow-list (usable as a decorator)."""
+    return default_allowlist.allow(obj, name)
+
+
+def allow_module_prefix(prefix: str) -> None:
+    """Allow every name under module ``prefix`` in the default allow-list."""
+    default_allowlist.allow_module_prefix(prefix)
+
+
+def allow_config(config: BackendConfig) -> list[str]:
+    """Register every object ``config`` refers to in the default allow-list;
+    see :meth:`Allowlist.allow_config`."""
+    return default_allowlist.allow_config(config)
+
+
+def _referenced_objects(pattern_config: BackendPatternConfig) -> list[tuple[str, Any]]:
+    found: list[tuple[str, Any]] = []
+    as_dict = pattern_config.to_dict()
+
+    def walk(path: str, pattern: Any) -> None:
+        if isinstance(pattern, tuple):
+            for index, item in enumerate(pattern):
+                walk(f"{path}[{index}]", item)
+        elif not isinstance(pattern, str):
+            found.append((path, pattern))
+
+    for key in _PATTERN_FIELDS:
+        if key in as_dict:
+            walk(key, as_dict[key])
+    for key in _REF_FIELDS:
+        if key in as_dict:
+            found.append((key, as_dict[key]))
+    return found
+
+
+# -- encoding ---------------------------------------------------------------
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _number(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"float": repr(value)}
+    return value
+
+
+def _encode_pattern(pattern: Any, field: str, allowlist: Allowlist) -> Any:
+    if isinstance(pattern, str):
+        return pattern
+    if isinstance(pattern, tuple):
+        return [
+            _encode_pattern(item, f"{field}[{index}]", allowlist)
+            for index, item in enumerate(pattern)
+        ]
+    return {"ref": allowlist.reference(pattern, field)}
+
+
+def _encode_dtype(constrained: DTypeWithConstraints) -> Any:
+    dtype = None if constrained.dtype is None else _dtype_name(constrained.dtype)
+    if not constrained.has_constraints:
+        return dtype
+    result: dict[str, Any] = {"dtype": dtype}
+    for name in _CONSTRAINT_FIELDS:
+        value = getattr(constrained, name)
+        if value is not None:
+            result[name] = _number(value)
+    return result
+
+
+def _encode_dtype_config(dtype_config: DTypeConfig) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for kind in _DTYPE_KINDS:
+        constrained = getattr(dtype_config, f"{kind}_with_constraints")
+        if constrained.dtype is not None or constrained.has_constraints:
+            result[kind] = _encode_dtype(constrained)
+    if dtype_config.bias_dtype is not None:
+        result["bias_dtype"] = _dtype_name(dtype_config.bias_dtype)
+    if dtype_config.is_dynamic is not None:
+        result["is_dynamic"] = dtype_config.is_dynamic
+    return result
+
+
+def _encode_pattern_config(
+    config: BackendPatternConfig, path: str, allowlist: Allowlist
+) -> dict[str, Any]:
+    as_dict = config.to_dict()
+    result: dict[str, Any] = {}
+    for key in _PATTERN_FIELDS:
+        if key in as_dict:
+            result[key] = _encode_pattern(as_dict[key], f"{path}.{key}", allowlist)
+    result["observation_type"] = config.observation_type.name
+    result["dtype_configs"] = [_encode_dtype_config(item) for item in config.dtype_configs]
+    for key in _REF_FIELDS:
+        if key in as_dict:
+            result[key] = allowlist.reference(as_dict[key], f"{path}.{key}")
+    if config._num_tensor_args_to_observation_type:
+        result["num_tensor_args_to_observation_type"] = {
+            str(count): observation_type.name
+            for count, observation_type in config._num_tensor_args_to_observation_type.items()
+        }
+    if config._input_type_to_index:
+        result["input_type_to_index"] = dict(config._input_type_to_index)
+    return result
+
+
+def to_json(
+    config: BackendConfig, *, allowlist: Allowlist | None = None, indent: int | None = 2
+) -> str:
+    """Write ``config`` as JSON (see the module docstring for the format).
+
+    Every class and function must be nameable and allowed by ``allowlist``
+    (default: :data:`default_allowlist`); otherwise a ConfigError names the
+    field (``configs[3].fuser_method``), the object and how to fix it.
+    """
+    if not isinstance(config, BackendConfig):
+        raise ConfigError(f"to_json config: got {describe(config)}; expected a BackendConfig")
+    allowlist = default_allowlist if allowlist is None else allowlist
+    document = {
+        "format": FORMAT,
+        "version": VERSION,
+        "name": config.name,
+        "configs": [
+            _encode_pattern_config(item, f"configs[{index}]", allowlist)
+            for index, item in enumerate(config.configs)
+        ],
+    }
+    return _json.dumps(document, indent=indent, allow_nan=False)
+
+
+# -- decoding ---------------------------------------------------------------
+
+
+def _expect(value: Any, kind: type | tuple[type, ...], field: str, expected: str) -> Any:
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise ConfigError(f"{field}: got {describe(value)}; expected {expected}")
+    if not isinstance(value, kind):
+        raise ConfigError(f"{field}: got {describe(value)}; expected {expected}")
+    return value
+
+
+def _decode_dtype(value: Any, field: str) -> torch.dtype:
+    if isinstance(value, str):
+        dtype = getattr(torch, value.removeprefix("torch."), None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    raise ConfigError(
+        f"{field}: got {describe(value)}; expected a torch dtype name such as 'quint8', "
+        "'qint8', 'float32' or 'float16'"
+    )
+
+
+def _decode_number(value: Any, field: str) -> Any:
+    if isinstance(value, dict) and set(value) == {"float"}:
+        text = value["float"]
+        if text in ("inf", "-inf"):
+            return float(text)
+        raise ConfigError(f"{field}: got {describe(value)}; expected {{'float': 'inf'|'-inf'}}")
+    return _expect(value, (int, float), field, "a number")
+
+
+def _decode_constrained(value: Any, field: str) -> DTypeWithConstraints:
+    if value is None or isinstance(value, str):
+        return DTypeWithConstraints(dtype=None if value is None else _decode_dtype(value, field))
+    _expect(value, dict, field, "a dtype name or an object with a 'dtype' key")
+    unknown = set(value) - {"dtype", *_CONSTRAINT_FIELDS}
+    if unknown:
+        raise ConfigError(
+            f"{field}: got key {sorted(unknown)[0]!r}; expected one of "
+            f"{['dtype', *_CONSTRAINT_FIELDS]}"
+        )
+    kwargs: dict[str, Any] = {}
+    if value.get("dtype") is not None:
+        kwargs["dtype"] = _decode_dtype(value["dtype"], f"{field}.dtype")
+    for name in _CONSTRAINT_FIELDS:
+        if value.get(name) is not None:
+            kwargs[name] = _decode_number(value[name], f"{field}.{name}")
+    try:
+        return DTypeWithConstraints(**kwargs)
+    except ConfigError as error:
+        raise ConfigError(f"{field}: {error}") from None
+
+
+def _decode_dtype_config(value: Any, field: str) -> DTypeConfig:
+    _expect(value, dict, field, "an object")
+    allowed = {*_DTYPE_KINDS, "bias_dtype", "is_dynamic"}
+    unknown = set(value) - allowed
+    if unknown:
+        raise ConfigError(
+            f"{field}: got key {sorted(unknown)[0]!r}; expected one of {sorted(allowed)}"
+        )
+    kwargs: dict[str, Any] = {}
+    for kind in _DTYPE_KINDS:
+        if kind in value:
+            kwargs[kind] = _decode_constrained(value[kind], f"{field}.{kind}")
+    if value.get("bias_dtype") is not None:
+        kwargs["bias_dtype"] = _decode_dtype(value["bias_dtype"], f"{field}.bias_dtype")
+    if value.get("is_dynamic") is not None:
+        kwargs["is_dynamic"] = _expect(
+            value["is_dynamic"], bool, f"{field}.is_dynamic", "true, false or null"
+        )
+    return DTypeConfig(**kwargs)
+
+
+def _decode_observation_type(value: Any, field: str) -> ObservationType:
+    if isinstance(value, str) and value in ObservationType.__members__:
+        return ObservationType[value]
+    raise ConfigError(
+        f"{field}: got {describe(value)}; expected one of {list(ObservationType.__members__)}"
+    )
+
+
+def _decode_pattern(value: Any, field: str, allowlist: Allowlist) -> Any:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return tuple(
+            _decode_pattern(item, f"{field}[{index}]", allowlist)
+            for index, item in enumerate(value)
+        )
+    if isinstance(value, dict) and set(value) == {"ref"}:
+        return allowlist.resolve(value["ref"], f"{field}.ref")
+    raise ConfigError(
+        f"{field}: got {describe(value)}; expected a method name string, "
+        '{"ref": "qualified.name"} or an array of those'
+    )
+
+
+_PATTERN_CONFIG_KEYS = (
+    *_PATTERN_FIELDS,
+    "observation_type",
+    "dtype_configs",
+    *_REF_FIELDS,
+    "num_tensor_args_to_observation_type",
+    "input_type_to_index",
+)
+
+
+def _decode_pattern_config(value: Any, path: str, allowlist: Allowlist) -> BackendPatternConfig:
+    _expect(value, dict, path, "an object describing a BackendPatternConfig")
+    unknown = set(value) - set(_PATTERN_CONFIG_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"{path}: got key {sorted(unknown)[0]!r}; expected one of {list(_PATTERN_CONFIG_KEYS)}"
+        )
+    as_dict: dict[str, Any] = {}
+    for key in _PATTERN_FIELDS:
+        if key in value:
+            as_dict[key] = _decode_pattern(value[key], f"{path}.{key}", allowlist)
+    if "observation_type" in value:
+        as_dict["observation_type"] = _decode_observation_type(
+            value["observation_type"], f"{path}.observation_type"
+        )
+    if "dtype_configs" in value:
+        items = _expect(value["dtype_configs"], list, f"{path}.dtype_configs", "an array")
+        as_dict["dtype_configs"] = [
+            _decode_dtype_config(item, f"{path}.dtype_configs[{index}]")
+            for index, item in enumerate(items)
+        ]
+    for key in _REF_FIELDS:
+        if value.get(key) is not None:
+            as_dict[key] = allowlist.resolve(value[key], f"{path}.{key}")
+    if "num_tensor_args_to_observation_type" in value:
+        field = f"{path}.num_tensor_args_to_observation_type"
+        mapping = _expect(value["num_tensor_args_to_observation_type"], dict, field, "an object")
+        decoded = {}
+        for key, item in mapping.items():
+            if not (isinstance(key, str) and key.isdigit()):
+                raise ConfigError(f"{field}: got key {key!r}; expected a non-negative integer")
+            decoded[int(key)] = _decode_observation_type(item, f"{field}[{key!r}]")
+        as_dict["num_tensor_args_to_observation_type"] = decoded
+    if "input_type_to_index" in value:
+        as_dict["input_type_to_index"] = _expect(
+            value["input_type_to_index"], dict, f"{path}.input_type_to_index", "an object"
+        )
+    try:
+        return BackendPatternConfig.from_dict(as_dict)
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from None
+
+
+def from_json(text: str | bytes, *, allowlist: Allowlist | None = None) -> BackendConfig:
+    """Read a BackendConfig written by :func:`to_json` (or by hand).
+
+    Names resolve only through ``allowlist`` (default:
+    :data:`default_allowlist`); a name outside it is a ConfigError naming the
+    field path, the name and what is allowed, and nothing is imported for it.
+    """
+    allowlist = default_allowlist if allowlist is None else allowlist
+    try:
+        document = _json.loads(text)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"BackendConfig JSON: got text that is not JSON ({error})") from None
+    _expect(document, dict, "BackendConfig JSON", "an object with 'name' and 'configs'")
+    known = {"format", "version", "name", "configs"}
+    unknown = set(document) - known
+    if unknown:
+        raise ConfigError(
+            f"BackendConfig JSON: got key {sorted(unknown)[0]!r}; expected one of {sorted(known)}"
+        )
+    if document.get("format", FORMAT) != FORMAT:
+        raise ConfigError(f"format: got {document['format']!r}; expected {FORMAT!r}")
+    if document.get("version", VERSION) != VERSION:
+        raise ConfigError(
+            f"version: got {document['version']!r}; expected {VERSION} (this qcore reads "
+            f"version {VERSION})"
+        )
+    name = _expect(document.get("name", ""), str, "name", "a string")
+    items = _expect(document.get("configs", []), list, "configs", "an array")
+    config = BackendConfig(name)
+    for index, item in enumerate(items):
+        path = f"configs[{index}]"
+        pattern_config = _decode_pattern_config(item, path, allowlist)
+        try:
+            config.set_backend_pattern_config(pattern_config)
+        except DuplicatePatternError as error:
+            raise DuplicatePatternError(f"{path}: {error}") from None
+    return config
