@@ -1,0 +1,224 @@
+"""The BackendConfig front door: matches + QConfigs -> annotations and reasons.
+
+For each pattern match, the QConfig of its nodes is checked against the
+pattern's DTypeConfigs; the first one it satisfies decides how the match's
+inputs and output are observed (per ObservationType). Everything not
+quantized gets a reason for ``qcore.explain``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from qcore.config import BackendConfig, BackendPatternConfig, DTypeConfig, ObservationType
+from qcore.config.compat import find_accepting_dtype_config
+from qcore.config.pattern import format_pattern
+from qcore.engine.explain import Entry, Status, op_name
+from qcore.engine.match import Match, find_matches, node_op
+from qcore.engine.qconfigs import qconfig_equals
+from qcore.quantizer.spec import QuantizationAnnotation, QuantizationSpec, SharedQuantizationSpec
+
+__all__ = ["Decision", "annotate_with_backend_config"]
+
+_QUANTIZED_DTYPES = {
+    torch.quint8,
+    torch.qint8,
+    torch.qint32,
+    torch.uint8,
+    torch.int8,
+    torch.int32,
+    torch.quint4x2,
+    torch.float16,
+}
+
+
+def is_quantized_dtype(dtype: Any) -> bool:
+    return dtype in _QUANTIZED_DTYPES
+
+
+@dataclass
+class Decision:
+    """An accepted match: the pattern will be quantized with ``dtype_config``."""
+
+    match: Match
+    qconfig: Any
+    dtype_config: DTypeConfig
+
+
+def _spec_from_ctr(ctr: Any, cache: dict[int, QuantizationSpec]) -> QuantizationSpec:
+    key = id(ctr)
+    if key not in cache:
+        observer = ctr()
+        cache[key] = QuantizationSpec(
+            dtype=observer.dtype,
+            observer_or_fake_quant_ctr=ctr,
+            quant_min=getattr(observer, "quant_min", None),
+            quant_max=getattr(observer, "quant_max", None),
+            is_dynamic=bool(getattr(observer, "is_dynamic", False)),
+        )
+    return cache[key]
+
+
+def _flat_node_args(node: Node) -> list[tuple[int, Node]]:
+    """(argument position, node) for every Node among the args, lists flattened."""
+    found = []
+    for index, arg in enumerate(node.args):
+        items = arg if isinstance(arg, (list, tuple)) else [arg]
+        for item in items:
+            if isinstance(item, Node):
+                found.append((index, item))
+    return found
+
+
+def _fusion_hint(node: Node, backend: BackendConfig, modules: Mapping, matched: set) -> str:
+    """When a fusion rule covers part of an unfused chain, name the missing rule."""
+    chain = [node]
+    while True:
+        prev = chain[0].args[0] if chain[0].args else None
+        if not (isinstance(prev, Node) and prev.op.startswith("call") and len(prev.users) == 1):
+            break
+        if prev in matched or len(chain) >= 3:
+            break
+        chain.insert(0, prev)
+    while len(chain) < 3 and len(chain[-1].users) == 1:
+        nxt = next(iter(chain[-1].users))
+        if not nxt.op.startswith("call") or nxt in matched:
+            break
+        chain.append(nxt)
+    ops = [node_op(n, modules) for n in chain]
+    rules = [c.pattern for c in backend.configs if c.fuser_method is not None and c.pattern]
+    for rule in rules:
+        rule_ops = list(rule) if isinstance(rule, tuple) else [rule]
+        iterator = iter(ops)
+        if len(rule_ops) < len(ops) and all(op in iterator for op in rule_ops):
+            if rule_ops[0] == ops[0] and rule_ops[-1] == ops[-1]:
+                return (
+                    f"; no fusion rule for {format_pattern(tuple(ops))} in backend "
+                    f"{backend.name!r} (it fuses {format_pattern(rule)})"
+                )
+    return ""
+
+
+def annotate_with_backend_config(
+    nodes: list[Node],
+    modules: Mapping[str, torch.nn.Module],
+    backend: BackendConfig,
+    qconfigs: Mapping[Node, Any],
+    tensor_nodes: set[Node],
+    fusion_notes: Mapping[Node, str],
+) -> tuple[dict[Node, QuantizationAnnotation], list[Decision], dict[str, Entry]]:
+    """Annotations for the accepted matches, the decisions, and an Entry per node."""
+    quant_configs = [c for c in backend.configs if c.dtype_configs]
+    matches = find_matches(nodes, quant_configs, modules)
+    annotations: dict[Node, QuantizationAnnotation] = {}
+    decisions: list[Decision] = []
+    entries: dict[str, Entry] = {}
+    spec_cache: dict[int, QuantizationSpec] = {}
+    seen: set[int] = set()
+
+    for node in nodes:
+        op = op_name(node, modules)
+        if not node.op.startswith("call"):
+            entries[node.name] = Entry(node.name, op, Status.NOT_AN_OP)
+            continue
+        match = matches.get(node)
+        if match is None:
+            reason = fusion_notes.get(node) or (
+                f"no pattern in backend {backend.name!r} matches {op}"
+                + _fusion_hint(node, backend, modules, set(matches))
+            )
+            if qconfigs.get(node) is None and node not in fusion_notes:
+                reason = f"no QConfig for {op} in the QConfigMapping"
+            entries[node.name] = Entry(node.name, op, Status.FLOAT, reason)
+            continue
+        pattern = match.config.describe_pattern()
+        if id(match) in seen:
+            continue
+        seen.add(id(match))
+        qconfig, reason = _match_qconfig(match, qconfigs)
+        dtype_config = None
+        if reason is None:
+            dtype_config, rejections = find_accepting_dtype_config(match.config, qconfig)
+            if dtype_config is None:
+                reason = f"QConfig rejected by pattern {pattern}: " + "; ".join(rejections)
+        if reason is None and fusion_notes.get(match.root):
+            reason = fusion_notes[match.root]
+        for member in match.nodes:
+            member_op = op_name(member, modules)
+            if reason is not None:
+                entries[member.name] = Entry(member.name, member_op, Status.FLOAT, reason, pattern)
+            else:
+                entries[member.name] = Entry(member.name, member_op, Status.QUANTIZED, "", pattern)
+        if reason is not None:
+            continue
+        decisions.append(Decision(match, qconfig, dtype_config))
+        _annotate(match, qconfig, dtype_config, tensor_nodes, annotations, spec_cache)
+    return annotations, decisions, entries
+
+
+def _match_qconfig(match: Match, qconfigs: Mapping[Node, Any]) -> tuple[Any, str | None]:
+    found = [qconfigs.get(node) for node in match.nodes]
+    qconfig = found[0] if found else None
+    if qconfig is None:
+        return None, "no QConfig for this pattern in the QConfigMapping"
+    if any(not qconfig_equals(qconfig, other) for other in found[1:]):
+        return None, (
+            f"the nodes of pattern {match.config.describe_pattern()} have different QConfigs; "
+            "give them the same one"
+        )
+    return qconfig, None
+
+
+def _observation_type(config: BackendPatternConfig, root: Node, tensor_nodes: set) -> Any:
+    by_count = config._num_tensor_args_to_observation_type
+    if by_count:
+        count = sum(1 for _, arg in _flat_node_args(root) if arg in tensor_nodes)
+        return by_count.get(count, config.observation_type)
+    return config.observation_type
+
+
+def _annotate(
+    match: Match,
+    qconfig: Any,
+    dtype_config: DTypeConfig,
+    tensor_nodes: set[Node],
+    annotations: dict[Node, QuantizationAnnotation],
+    cache: dict[int, QuantizationSpec],
+) -> None:
+    config = match.config
+    observation = _observation_type(config, match.root, tensor_nodes)
+    if observation is ObservationType.INPUT_OUTPUT_NOT_OBSERVED:
+        return
+    members = match.node_set
+    weight_index = config._input_type_to_index.get("weight")
+    bias_index = config._input_type_to_index.get("bias")
+    act_spec = None
+    if is_quantized_dtype(dtype_config.input_dtype) and qconfig.activation is not None:
+        act_spec = _spec_from_ctr(qconfig.activation, cache)
+    first_edge = None
+    for node in reversed(match.nodes):  # forward order: the root first
+        annotation = annotations.setdefault(node, QuantizationAnnotation(_annotated=True))
+        for index, arg in _flat_node_args(node):
+            if arg in members or arg not in tensor_nodes:
+                continue
+            if node is match.root and index == bias_index:
+                continue
+            if node is match.root and index == weight_index:
+                if is_quantized_dtype(dtype_config.weight_dtype) and qconfig.weight is not None:
+                    annotation.input_qspec_map[arg] = _spec_from_ctr(qconfig.weight, cache)
+                continue
+            if act_spec is not None:
+                annotation.input_qspec_map[arg] = act_spec
+                first_edge = first_edge or (arg, node)
+    output = annotations.setdefault(match.output, QuantizationAnnotation(_annotated=True))
+    if observation is ObservationType.OUTPUT_SHARE_OBSERVER_WITH_INPUT:
+        if first_edge is not None:
+            output.output_qspec = SharedQuantizationSpec(first_edge)
+    elif observation is ObservationType.OUTPUT_USE_DIFFERENT_OBSERVER_AS_INPUT:
+        if is_quantized_dtype(dtype_config.output_dtype) and qconfig.activation is not None:
+            output.output_qspec = _spec_from_ctr(qconfig.activation, cache)

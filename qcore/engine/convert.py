@@ -1,0 +1,168 @@
+"""convert: from a calibrated prepared model to the reference representation.
+
+Each observer becomes quantize -> dequantize on plain integer tensors
+(``qcore.ops``), with its qparams as constants; each quantized weighted
+module becomes a :class:`ReferenceModule`; QAT modules return to float first.
+Lowering to kernels is a separate pass (``qcore.engine.lower``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from qcore import ops
+from qcore.engine.backend_annotator import is_quantized_dtype
+from qcore.engine.explain import REPORT_KEY, Entry, Report, Status
+from qcore.engine.observe import DerivedObserver
+from qcore.engine.prepare import STATE_KEY, PreparedState
+from qcore.engine.reference import QParams, ReferenceModule, qparams_of, weight_names
+
+__all__ = ["convert_to_reference", "state_of"]
+
+
+def state_of(gm: Any) -> PreparedState:
+    state = getattr(gm, "meta", {}).get(STATE_KEY) if isinstance(gm, GraphModule) else None
+    if state is None:
+        raise TypeError(
+            f"model: got {type(gm).__name__}; expected a model returned by qcore.prepare_fx "
+            "or qcore.prepare_qat_fx (it carries the backend and the decisions convert needs)"
+        )
+    return state
+
+
+def _set_module(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, attr, module)
+
+
+def _float_and_weight_qparams(
+    module: torch.nn.Module, qconfig: Any
+) -> tuple[torch.nn.Module, dict]:
+    """The float module to keep and the qparams of each of its weights."""
+    if hasattr(module, "weight_fake_quant"):  # a QAT module: its fake-quant saw the weights
+        observer = module.weight_fake_quant
+        float_module = module.to_float()
+        names = weight_names(float_module)
+        return float_module, {names[0]: qparams_of(observer, full_range=True)}
+    weights = {}
+    for name in weight_names(module):
+        observer = qconfig.weight()
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        observer(getattr(owner, attr).detach())
+        weights[name] = qparams_of(observer, full_range=True)
+    return module, weights
+
+
+def _swap_reference_modules(gm: GraphModule, state: PreparedState) -> None:
+    modules = dict(gm.named_modules())
+    for accepted in state.accepted:
+        if accepted.root_op != "call_module" or accepted.qconfig.weight is None:
+            continue
+        if not is_quantized_dtype(accepted.dtype_config.weight_dtype):
+            continue
+        module = modules[accepted.root_target]
+        original_type = accepted.config.pattern_complex_format
+        original_type = original_type if isinstance(original_type, type) else type(module)
+        float_module, weight_qparams = _float_and_weight_qparams(module, accepted.qconfig)
+        if not weight_qparams:
+            continue
+        reference = ReferenceModule(float_module, weight_qparams, original_type)
+        _set_module(gm, accepted.root_target, reference)
+
+
+def _qparams_constants(qparams: QParams) -> tuple:
+    scale = float(qparams.scale.reshape(-1)[0]) if qparams.scale.numel() == 1 else qparams.scale
+    zero_point = (
+        int(qparams.zero_point.reshape(-1)[0])
+        if qparams.zero_point.numel() == 1
+        else qparams.zero_point
+    )
+    return scale, zero_point
+
+
+def _replace_observer(gm: GraphModule, node: Node, observer: Any, full_range: bool) -> None:
+    graph = gm.graph
+    source = node.args[0]
+    dtype = getattr(observer, "dtype", torch.float32)
+    replacement: Node | Any = source
+    with graph.inserting_before(node):
+        if dtype == torch.float16:
+            half = graph.call_method("to", (source, torch.float16))
+            replacement = graph.call_method("to", (half, torch.float32))
+        elif is_quantized_dtype(dtype) and getattr(observer, "is_dynamic", False):
+            replacement = graph.call_function(
+                ops.fake_quantize_dynamic, (source, observer.quant_min, observer.quant_max, dtype)
+            )
+        elif is_quantized_dtype(dtype):
+            if isinstance(observer, DerivedObserver):
+                scale, zero_point = observer.derive(gm)
+                qparams = QParams(scale, zero_point, dtype, observer.quant_min, observer.quant_max)
+            else:
+                qparams = qparams_of(observer, full_range=full_range)
+            scale, zero_point = _qparams_constants(qparams)
+            if qparams.per_channel:
+                gm.register_buffer(f"{node.target}_scale", qparams.scale)
+                gm.register_buffer(f"{node.target}_zero_point", qparams.zero_point)
+                scale = graph.get_attr(f"{node.target}_scale")
+                zero_point = graph.get_attr(f"{node.target}_zero_point")
+                args = (
+                    scale,
+                    zero_point,
+                    qparams.axis,
+                    qparams.quant_min,
+                    qparams.quant_max,
+                    dtype,
+                )
+                quantized = graph.call_function(ops.quantize_per_channel, (source, *args))
+                replacement = graph.call_function(ops.dequantize_per_channel, (quantized, *args))
+            else:
+                args = (scale, zero_point, qparams.quant_min, qparams.quant_max, dtype)
+                quantized = graph.call_function(ops.quantize_per_tensor, (source, *args))
+                replacement = graph.call_function(ops.dequantize_per_tensor, (quantized, *args))
+    node.replace_all_uses_with(replacement)
+    graph.erase_node(node)
+
+
+def convert_to_reference(prepared: GraphModule, *, full_range: bool = True) -> GraphModule:
+    """A converted copy of ``prepared`` in reference form; ``prepared`` is left as is."""
+    state = state_of(prepared)
+    gm = copy.deepcopy(prepared)
+    gm.eval()
+    _swap_reference_modules(gm, state)
+    modules = dict(gm.named_modules())
+    observer_names = set(state.observer_names)
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target in observer_names:
+            _replace_observer(gm, node, modules[node.target], full_range)
+    gm.graph.eliminate_dead_code()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    report: Report = gm.meta[REPORT_KEY]
+    names = {node.name for node in gm.graph.nodes}
+    entries = []
+    for entry in report.entries:
+        if entry.node not in names:
+            continue
+        if entry.status is Status.QUANTIZED:
+            entry = entry.with_status(
+                Status.REFERENCE, "reference form (convert_to_reference_fx does not lower)"
+            )
+        entries.append(entry)
+    gm.meta[REPORT_KEY] = Report(report.backend, _with_inserted(entries, gm))
+    gm.meta[STATE_KEY] = state
+    return gm
+
+
+def _with_inserted(entries: list, gm: GraphModule) -> list:
+    """Entries in graph order; quantize/dequantize nodes qcore inserted are not ops."""
+    by_name = {entry.node: entry for entry in entries}
+    ordered = []
+    for node in gm.graph.nodes:
+        entry = by_name.get(node.name) or Entry(node.name, "quantize/dequantize", Status.NOT_AN_OP)
+        ordered.append(entry)
+    return ordered

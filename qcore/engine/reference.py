@@ -1,0 +1,134 @@
+"""Reference quantized modules: the float module with its weights quantized.
+
+A :class:`ReferenceModule` keeps the integer weights and their qparams (what a
+kernel packs) and runs the float module on the dequantized weights (what the
+reference semantics compute). It works for any weighted module: linear, conv,
+conv-transpose, embedding, RNNs, and torch.ao's fused containers (whose
+weights live in their first child).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qcore import ops
+
+__all__ = ["QParams", "ReferenceModule", "qparams_of", "weight_names"]
+
+_PER_CHANNEL = (
+    torch.per_channel_affine,
+    torch.per_channel_symmetric,
+    torch.per_channel_affine_float_qparams,
+)
+
+
+@dataclass(frozen=True)
+class QParams:
+    """Quantization parameters of one tensor."""
+
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    dtype: torch.dtype
+    quant_min: int
+    quant_max: int
+    qscheme: Any = torch.per_tensor_affine
+    axis: int | None = None
+
+    @property
+    def per_channel(self) -> bool:
+        return self.axis is not None
+
+
+def _dtype_range(dtype: torch.dtype) -> tuple[int, int]:
+    if dtype == torch.quint4x2:
+        return 0, 15
+    info = torch.iinfo(ops.storage_dtype(dtype))
+    return info.min, info.max
+
+
+def qparams_of(observer: Any, *, full_range: bool = False) -> QParams:
+    """The qparams an observer or fake-quant computed.
+
+    ``full_range`` clamps with the dtype's whole range (torch.ao FX semantics)
+    instead of the observer's quant_min/quant_max.
+    """
+    scale, zero_point = observer.calculate_qparams()
+    dtype = observer.dtype
+    qscheme = getattr(observer, "qscheme", torch.per_tensor_affine)
+    if full_range or getattr(observer, "quant_min", None) is None:
+        quant_min, quant_max = _dtype_range(dtype)
+    else:
+        quant_min, quant_max = int(observer.quant_min), int(observer.quant_max)
+    axis = getattr(observer, "ch_axis", None) if qscheme in _PER_CHANNEL else None
+    return QParams(scale, zero_point, dtype, quant_min, quant_max, qscheme, axis)
+
+
+def _fake_quantize(tensor: torch.Tensor, qparams: QParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """(integer tensor, dequantized float tensor)."""
+    if qparams.dtype == torch.float16:
+        half = tensor.detach().to(torch.float16)
+        return half, half.to(tensor.dtype)
+    args = (qparams.quant_min, qparams.quant_max, qparams.dtype)
+    if qparams.per_channel:
+        integer = ops.quantize_per_channel(
+            tensor.detach(), qparams.scale, qparams.zero_point, qparams.axis, *args
+        )
+        return integer, ops.dequantize_per_channel(
+            integer, qparams.scale, qparams.zero_point, qparams.axis, *args
+        )
+    integer = ops.quantize_per_tensor(tensor.detach(), qparams.scale, qparams.zero_point, *args)
+    return integer, ops.dequantize_per_tensor(integer, qparams.scale, qparams.zero_point, *args)
+
+
+def weighted_child(module: torch.nn.Module) -> torch.nn.Module:
+    """The module holding the weights: a fused container's first child."""
+    if isinstance(module, torch.nn.Sequential) and len(module) > 0:
+        return module[0]
+    return module
+
+
+def weight_names(module: torch.nn.Module) -> list[str]:
+    """Names of the weight parameters to quantize, relative to ``module``."""
+    child = weighted_child(module)
+    prefix = "0." if child is not module else ""
+    if isinstance(child, torch.nn.RNNBase):
+        return [prefix + name for name, _ in child.named_parameters() if name.startswith("weight")]
+    return [prefix + "weight"] if isinstance(getattr(child, "weight", None), torch.Tensor) else []
+
+
+class ReferenceModule(torch.nn.Module):
+    """A float module running on dequantized weights, keeping the integer ones.
+
+    ``original_type`` is the class of the module before conversion (e.g.
+    ``ConvReLU2d``): kernels are chosen by it.
+    """
+
+    def __init__(
+        self, module: torch.nn.Module, weight_qparams: dict[str, QParams], original_type: type
+    ) -> None:
+        super().__init__()
+        self.module = copy.deepcopy(module)
+        self.original_type = original_type
+        self.weight_qparams = dict(weight_qparams)
+        for index, (name, qparams) in enumerate(self.weight_qparams.items()):
+            owner_name, _, attr = name.rpartition(".")
+            owner = self.module.get_submodule(owner_name) if owner_name else self.module
+            integer, dequantized = _fake_quantize(getattr(owner, attr), qparams)
+            self.register_buffer(f"weight_int_{index}", integer)
+            setattr(owner, attr, torch.nn.Parameter(dequantized, requires_grad=False))
+        if isinstance(self.module, torch.nn.RNNBase):
+            self.module.flatten_parameters()
+
+    def integer_weight(self, name: str) -> torch.Tensor:
+        return getattr(self, f"weight_int_{list(self.weight_qparams).index(name)}")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        dtypes = sorted({str(q.dtype).replace("torch.", "") for q in self.weight_qparams.values()})
+        return f"reference {self.original_type.__name__}, weights {'/'.join(dtypes)}"

@@ -1,0 +1,70 @@
+"""What kernels share: engine-scoped packing and torch's quantized tensors.
+
+torch's int8 kernels take torch.quint8/qint8 tensors. torch 2.13 deprecates
+creating them and warns, once per process (TORCH_WARN_ONCE). qcore's kernels
+use them only inside a converted model, so at lowering time qcore spends that
+one warning under a filter: a converted model's forward then prints nothing,
+while qcore leaves the user's own warning filters untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["TORCH_QUANTIZED_DTYPE", "packing_engine", "quiet_quantized_tensors", "to_torch_qtensor"]
+
+TORCH_QUANTIZED_DTYPE = {
+    torch.quint8: torch.quint8,
+    torch.uint8: torch.quint8,
+    torch.qint8: torch.qint8,
+    torch.int8: torch.qint8,
+    torch.qint32: torch.qint32,
+    torch.int32: torch.qint32,
+}
+
+_spent = False
+
+
+def quiet_quantized_tensors() -> None:
+    """Spend torch's once-per-process deprecation warning silently."""
+    global _spent
+    if _spent:
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.quantize_per_tensor(torch.zeros(1), 1.0, 0, torch.quint8)
+    _spent = True
+
+
+@contextlib.contextmanager
+def packing_engine(engine: str) -> Iterator[None]:
+    """Pack weights for ``engine`` whatever the global quantized engine is."""
+    if engine not in torch.backends.quantized.supported_engines:
+        raise RuntimeError(
+            f"quantized engine {engine!r} is not available in this torch build; "
+            f"available: {torch.backends.quantized.supported_engines}"
+        )
+    previous = torch.backends.quantized.engine
+    torch.backends.quantized.engine = engine
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = previous
+
+
+def to_torch_qtensor(integer: torch.Tensor, qparams) -> torch.Tensor:
+    """A torch quantized tensor from qcore's integer tensor and its QParams."""
+    quiet_quantized_tensors()
+    dtype = TORCH_QUANTIZED_DTYPE[qparams.dtype]
+    if qparams.per_channel:
+        return torch._make_per_channel_quantized_tensor(
+            integer, qparams.scale.double(), qparams.zero_point.long(), qparams.axis
+        )
+    torch_int = integer.to(torch.uint8 if dtype == torch.quint8 else integer.dtype)
+    return torch._make_per_tensor_quantized_tensor(
+        torch_int, float(qparams.scale.reshape(-1)[0]), int(qparams.zero_point.reshape(-1)[0])
+    )
