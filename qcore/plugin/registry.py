@@ -244,6 +244,10 @@ class BackendRegistry:
             kernels += self._call(plugin, "qcore_backend_kernels", Kernel)
             pattern_sources.append((plugin.name, configs))
         config, conflicts = unite(name, pattern_sources)
+        # What an installed plugin's config refers to may appear in JSON configs.
+        from qcore.config.json import allow_config
+
+        allow_config(config)
         return Backend(name, config, tuple(kernels), tuple(usable), tuple(conflicts), self)
 
     def _build_native(self) -> Backend:

@@ -1,0 +1,258 @@
+"""The FX front door: prepare_fx, convert_fx, quantize, explain.
+
+A backend is chosen by name (``"fbgemm"``, ``"native"``, a third party's) or
+given as a BackendConfig (qcore's or torch.ao's). A bare BackendConfig lowers
+with the kernels of the installed backend of the same name if there is one,
+else with those of ``"native"`` (the installed plugins' together): torch.ao
+always lowers to fbgemm; qcore lowers to what is installed, and explain says
+when nothing is.
+
+Example::
+
+    >>> prepared = qcore.prepare_fx(model, qconfig_mapping, example_inputs, backend="x86")
+    >>> for batch in calibration_data:
+    ...     prepared(*batch)
+    >>> converted = qcore.convert_fx(prepared)
+    >>> print(qcore.explain(converted))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+from qcore.config import BackendConfig
+from qcore.config.errors import describe
+from qcore.engine.convert import convert_to_reference, state_of
+from qcore.engine.explain import REPORT_KEY, Report
+from qcore.engine.fuse import fuse_graph
+from qcore.engine.lower import lower
+from qcore.engine.prepare import prepare
+from qcore.engine.trace import as_custom_config, trace
+from qcore.plugin import NATIVE, BackendLoadError, UnknownBackendError, get_backend, list_backends
+
+__all__ = [
+    "convert_fx",
+    "convert_to_reference_fx",
+    "explain",
+    "fuse_fx",
+    "prepare_fx",
+    "prepare_qat_fx",
+    "quantize",
+    "resolve_backend",
+]
+
+
+def _as_backend_config(value: Any) -> BackendConfig | None:
+    if isinstance(value, BackendConfig):
+        return value
+    if type(value).__name__ == "BackendConfig" and hasattr(value, "configs"):
+        from qcore.config.torch_ao import from_torch_ao
+
+        return from_torch_ao(value)
+    return None
+
+
+def resolve_backend(
+    backend: Any = None, backend_config: Any = None
+) -> tuple[str, BackendConfig, tuple, Any]:
+    """(name, BackendConfig, kernels, Backend or None) for what the user passed."""
+    if backend is not None and backend_config is not None:
+        raise TypeError("pass backend= or backend_config=, not both")
+    chosen = backend if backend is not None else backend_config
+    if chosen is None:
+        chosen = NATIVE
+    if isinstance(chosen, str):
+        installed = get_backend(chosen)
+        return installed.name, installed.config, installed.kernels, installed
+    config = _as_backend_config(chosen)
+    if config is None:
+        raise TypeError(
+            f"backend: got {describe(chosen)}; expected a backend name "
+            f"(installed: {', '.join(list_backends())}) or a BackendConfig"
+        )
+    kernels: tuple = ()
+    for source in (config.name, NATIVE):
+        try:
+            if source and source in list_backends():
+                kernels = get_backend(source).kernels
+                break
+        except (UnknownBackendError, BackendLoadError):
+            continue
+    return config.name or "custom", config, kernels, None
+
+
+def _default_mapping(installed: Any, is_qat: bool) -> Any:
+    mapping = installed.default_qconfig_mapping(is_qat=is_qat) if installed is not None else None
+    if mapping is None:
+        from qcore.config.qconfig import default_qconfig_mapping
+
+        mapping = default_qconfig_mapping("x86", is_qat=is_qat)
+    return mapping
+
+
+def _make_fixed(spec: Any) -> torch.nn.Module:
+    from qcore.observers import FixedQParamsObserver
+
+    return FixedQParamsObserver(
+        scale=spec.scale,
+        zero_point=spec.zero_point,
+        dtype=spec.dtype,
+        quant_min=spec.quant_min if spec.quant_min is not None else 0,
+        quant_max=spec.quant_max if spec.quant_max is not None else 255,
+    )
+
+
+def _check_inputs(example_inputs: Any) -> tuple:
+    if not isinstance(example_inputs, tuple):
+        raise TypeError(
+            f"example_inputs: got {describe(example_inputs)}; expected a tuple of the model's "
+            "positional inputs, e.g. (torch.rand(1, 3, 224, 224),)"
+        )
+    return example_inputs
+
+
+def _prepare(
+    model: torch.nn.Module,
+    qconfig_mapping: Any,
+    example_inputs: tuple,
+    backend: Any,
+    prepare_custom_config: Any,
+    backend_config: Any,
+    is_qat: bool,
+) -> GraphModule:
+    name, config, kernels, installed = resolve_backend(backend, backend_config)
+    if qconfig_mapping is None:
+        qconfig_mapping = _default_mapping(installed, is_qat)
+    elif not hasattr(qconfig_mapping, "object_type_qconfigs"):
+        raise TypeError(
+            f"qconfig_mapping: got {describe(qconfig_mapping)}; expected a QConfigMapping "
+            "(qcore's or torch.ao's) or None for the backend's default"
+        )
+    return prepare(
+        model,
+        qconfig_mapping,
+        _check_inputs(example_inputs),
+        name,
+        config,
+        kernels,
+        is_qat=is_qat,
+        custom_config=as_custom_config(prepare_custom_config),
+        make_fixed=_make_fixed,
+    )
+
+
+def prepare_fx(
+    model: torch.nn.Module,
+    qconfig_mapping: Any,
+    example_inputs: tuple,
+    backend: Any = None,
+    prepare_custom_config: Any = None,
+    *,
+    backend_config: Any = None,
+) -> GraphModule:
+    """Trace a copy of ``model``, fuse, and insert observers for post-training
+    quantization on ``backend``. ``model`` itself is never modified.
+
+    ``backend`` is a name or a BackendConfig (``backend_config=`` works too, as in
+    torch.ao); ``qconfig_mapping=None`` takes the backend plugin's default.
+    """
+    return _prepare(
+        model,
+        qconfig_mapping,
+        example_inputs,
+        backend,
+        prepare_custom_config,
+        backend_config,
+        False,
+    )
+
+
+def prepare_qat_fx(
+    model: torch.nn.Module,
+    qconfig_mapping: Any,
+    example_inputs: tuple,
+    backend: Any = None,
+    prepare_custom_config: Any = None,
+    *,
+    backend_config: Any = None,
+) -> GraphModule:
+    """Like :func:`prepare_fx` for quantization-aware training: QAT modules are
+    swapped in and activations are fake-quantized. Train it, then convert."""
+    return _prepare(
+        model, qconfig_mapping, example_inputs, backend, prepare_custom_config, backend_config, True
+    )
+
+
+def _check_same_backend(prepared: GraphModule, backend_config: Any) -> None:
+    if backend_config is None:
+        return
+    state = state_of(prepared)
+    config = _as_backend_config(backend_config)
+    if config is None or config.name != state.backend_config.name:
+        raise ValueError(
+            f"convert_fx: backend_config {describe(backend_config)} differs from the backend "
+            f"{state.backend_name!r} chosen at prepare; convert lowers with the prepare backend"
+        )
+
+
+def convert_fx(prepared: GraphModule, *, backend_config: Any = None) -> GraphModule:
+    """Convert a calibrated (or trained) prepared model and lower it to the
+    kernels of the backend chosen at prepare. Returns a new module."""
+    _check_same_backend(prepared, backend_config)
+    state = state_of(prepared)
+    return lower(convert_to_reference(prepared), state.kernels, state.backend_name)
+
+
+def convert_to_reference_fx(prepared: GraphModule, *, backend_config: Any = None) -> GraphModule:
+    """Convert to the reference representation (quantize -> dequantize -> float op
+    -> quantize) without lowering to kernels."""
+    _check_same_backend(prepared, backend_config)
+    return convert_to_reference(prepared)
+
+
+def fuse_fx(
+    model: torch.nn.Module,
+    backend: Any = None,
+    fuse_custom_config: Any = None,
+    *,
+    backend_config: Any = None,
+    is_qat: bool = False,
+) -> GraphModule:
+    """A traced copy of ``model`` with the backend's fusion rules applied."""
+    _, config, _, _ = resolve_backend(backend, backend_config)
+    gm = trace(model, as_custom_config(fuse_custom_config))
+    fuse_graph(gm, config, is_qat)
+    return gm
+
+
+def quantize(
+    model: torch.nn.Module,
+    example_inputs: tuple,
+    calibration_data: Iterable[Any],
+    backend: Any = None,
+    qconfig_mapping: Any = None,
+) -> GraphModule:
+    """Post-training quantization in one call: prepare, calibrate, convert.
+
+    Each calibration item is a tuple of positional inputs (or a single tensor).
+    """
+    prepared = prepare_fx(model, qconfig_mapping, example_inputs, backend)
+    with torch.no_grad():
+        for batch in calibration_data:
+            prepared(*batch) if isinstance(batch, (tuple, list)) else prepared(batch)
+    return convert_fx(prepared)
+
+
+def explain(model: torch.nn.Module) -> Report:
+    """Why each node of a prepared or converted model is (not) quantized."""
+    report = getattr(model, "meta", {}).get(REPORT_KEY) if isinstance(model, GraphModule) else None
+    if report is None:
+        raise TypeError(
+            f"model: got {type(model).__name__}; expected a model returned by "
+            "qcore.prepare_fx, prepare_qat_fx, convert_fx or quantize"
+        )
+    return report
