@@ -10,6 +10,8 @@ import warnings
 import pytest
 import torch
 
+import qcore
+
 # -- the tutorial's imports, pointed at qcore ---------------------------------
 from qcore import (
     BackendConfig,
@@ -25,8 +27,6 @@ from qcore import (
     get_default_qconfig_mapping,
     prepare_fx,
 )
-
-import qcore
 from qcore.kernels import QuantizedConv, QuantizedLinear
 
 quint8_with_constraints = DTypeWithConstraints(
