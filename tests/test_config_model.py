@@ -449,6 +449,9 @@ def test_pattern_config_from_dict_errors():
     assert_config_error(excinfo, "dtype_configs[0]", "3 (int)", "a DTypeConfig or a dict")
     with pytest.raises(ConfigError):
         BackendPatternConfig.from_dict("pattern")
+    with pytest.raises(ConfigError) as excinfo:
+        BackendPatternConfig.from_dict({"pattern": "relu", "dtype_configs": 3})
+    assert_config_error(excinfo, "BackendPatternConfig.dtype_configs", "3 (int)", "a list")
 
 
 # -- BackendConfig ----------------------------------------------------------------
@@ -540,3 +543,13 @@ def test_backend_config_from_dict_errors():
     assert_config_error(excinfo, "BackendConfig.configs[0]", "Linear", "a dict")
     with pytest.raises(ConfigError):
         BackendConfig.from_dict([])
+    with pytest.raises(ConfigError) as excinfo:
+        BackendConfig.from_dict({"configs": 3})
+    assert_config_error(excinfo, "BackendConfig.configs", "3 (int)", "a list")
+
+
+def test_constraints_without_dtype_survive_the_dict_round_trip():
+    bounds_only = DTypeWithConstraints(quant_min_lower_bound=0, quant_max_upper_bound=127)
+    config = DTypeConfig(input_dtype=bounds_only, output_dtype=torch.quint8)
+    assert config.to_dict()["input_dtype"] == bounds_only
+    assert DTypeConfig.from_dict(config.to_dict()) == config

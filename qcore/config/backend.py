@@ -105,7 +105,10 @@ class BackendConfig:
                 "BackendConfig", sorted(unknown)[0], "one of the keys ['configs', 'name']"
             )
         config = cls(backend_config_dict.get("name", ""))
-        for index, item in enumerate(backend_config_dict.get("configs", [])):
+        items = backend_config_dict.get("configs", [])
+        if not isinstance(items, (list, tuple)):
+            raise invalid("BackendConfig.configs", items, "a list of BackendPatternConfig or dicts")
+        for index, item in enumerate(items):
             if isinstance(item, dict):
                 item = BackendPatternConfig.from_dict(item)
             elif not isinstance(item, BackendPatternConfig):

@@ -211,7 +211,7 @@ class DTypeConfig:
         result: dict[str, Any] = {}
         for name in ("input", "output", "weight"):
             constrained = getattr(self, f"{name}_dtype_with_constraints")
-            if constrained.dtype is not None:
+            if constrained.dtype is not None or constrained.has_constraints:
                 result[f"{name}_dtype"] = constrained
         if self.bias_dtype is not None:
             result["bias_dtype"] = self.bias_dtype

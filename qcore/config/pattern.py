@@ -318,6 +318,12 @@ class BackendPatternConfig:
                 continue
             value = backend_pattern_config_dict[key]
             if key == "dtype_configs":
+                if not isinstance(value, (list, tuple)):
+                    raise invalid(
+                        "BackendPatternConfig.dtype_configs",
+                        value,
+                        "a list of DTypeConfig or dicts",
+                    )
                 value = [_as_dtype_config(index, item) for index, item in enumerate(value)]
             getattr(config, setter_name)(value)
         if "pattern_complex_format" in backend_pattern_config_dict:
