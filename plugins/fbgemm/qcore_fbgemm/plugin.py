@@ -1,0 +1,36 @@
+"""The ``fbgemm`` backend's hook implementations (entry point ``qcore.backends: fbgemm``)."""
+
+from __future__ import annotations
+
+from qcore.plugin.markers import hookimpl
+from qcore_fbgemm import config
+
+QCORE_PLUGIN_API_VERSION = 1
+
+BACKEND = config.BACKEND
+
+
+@hookimpl
+def qcore_backend_pattern_configs(backend):
+    """torch 2.13's native ``fbgemm`` patterns, for ``fbgemm`` only."""
+    if backend != BACKEND:
+        return None
+    return config.pattern_configs()
+
+
+@hookimpl
+def qcore_backend_kernels(backend):
+    """No kernels yet: every pattern stays in reference form at convert."""
+    if backend != BACKEND:
+        return None
+    return []
+
+
+@hookimpl
+def qcore_default_qconfig_mapping(backend, is_qat):
+    """torch.ao's default ``fbgemm`` QConfigMapping (PTQ or QAT)."""
+    if backend != BACKEND:
+        return None
+    from qcore.config.default_qconfigs import default_qconfig_mapping
+
+    return default_qconfig_mapping(BACKEND, is_qat=is_qat)

@@ -1,0 +1,68 @@
+"""The x86 backend's dtype configs and pattern configs (torch 2.13's native x86)."""
+
+from __future__ import annotations
+
+import torch
+
+from qcore.config import BackendPatternConfig, DTypeConfig
+from qcore.config.standard_ops import standard_pattern_configs
+
+BACKEND = "x86"
+
+weighted_op_quint8 = DTypeConfig(
+    input_dtype=torch.quint8,
+    output_dtype=torch.quint8,
+    weight_dtype=torch.qint8,
+    bias_dtype=torch.float,
+)
+"""Static int8: quint8 activations, qint8 weights, float bias."""
+
+default_op_quint8 = DTypeConfig(input_dtype=torch.quint8, output_dtype=torch.quint8)
+"""Static int8 for ops without weights."""
+
+dynamic_int8 = DTypeConfig(
+    input_dtype=torch.quint8,
+    output_dtype=torch.float,
+    weight_dtype=torch.qint8,
+    bias_dtype=torch.float,
+    is_dynamic=True,
+)
+"""Dynamic int8: weights quantized ahead of time, activations on the fly."""
+
+dynamic_float16 = DTypeConfig(
+    input_dtype=torch.float16,
+    output_dtype=torch.float,
+    weight_dtype=torch.float16,
+    bias_dtype=torch.float,
+    is_dynamic=True,
+)
+"""Dynamic float16."""
+
+weight_only_quint8 = DTypeConfig(
+    input_dtype=torch.float, output_dtype=torch.float, weight_dtype=torch.quint8
+)
+"""Weight-only quint8 (embeddings)."""
+
+weight_only_quint4x2 = DTypeConfig(
+    input_dtype=torch.float, output_dtype=torch.float, weight_dtype=torch.quint4x2
+)
+"""Weight-only 4-bit (embeddings)."""
+
+
+def pattern_configs() -> list[BackendPatternConfig]:
+    """x86's 192 pattern configs."""
+    return standard_pattern_configs(
+        conv=[weighted_op_quint8],
+        linear=[weighted_op_quint8, dynamic_int8, dynamic_float16],
+        # x86 accepts binary and fixed-qparams ops with the weighted dtype
+        # config (its weight and bias dtypes are unused there), as torch.ao does.
+        binary_op=[weighted_op_quint8],
+        cat=[default_op_quint8],
+        own_qparams_op=[default_op_quint8],
+        fixed_qparams_op=[weighted_op_quint8],
+        shared_qparams_op=[default_op_quint8],
+        tensor_info_op=[default_op_quint8],
+        batch_norm=[default_op_quint8],
+        rnn=[dynamic_int8, dynamic_float16],
+        embedding=[weight_only_quint8, weight_only_quint4x2],
+    )

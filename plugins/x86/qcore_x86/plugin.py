@@ -1,0 +1,36 @@
+"""The ``x86`` backend's hook implementations (entry point ``qcore.backends: x86``)."""
+
+from __future__ import annotations
+
+from qcore.plugin.markers import hookimpl
+from qcore_x86 import config
+
+QCORE_PLUGIN_API_VERSION = 1
+
+BACKEND = config.BACKEND
+
+
+@hookimpl
+def qcore_backend_pattern_configs(backend):
+    """torch 2.13's native ``x86`` patterns, for ``x86`` only."""
+    if backend != BACKEND:
+        return None
+    return config.pattern_configs()
+
+
+@hookimpl
+def qcore_backend_kernels(backend):
+    """No kernels yet: every pattern stays in reference form at convert."""
+    if backend != BACKEND:
+        return None
+    return []
+
+
+@hookimpl
+def qcore_default_qconfig_mapping(backend, is_qat):
+    """torch.ao's default ``x86`` QConfigMapping (PTQ or QAT)."""
+    if backend != BACKEND:
+        return None
+    from qcore.config.default_qconfigs import default_qconfig_mapping
+
+    return default_qconfig_mapping(BACKEND, is_qat=is_qat)
