@@ -1,0 +1,358 @@
+"""The first-party plugins' configs against torch.ao's native configs of the same name.
+
+For fbgemm, qnnpack and x86: the plugin's pattern configs (built with qcore's
+own API: qcore.config.standard_ops and qcore.config.fusers) are compared with
+torch.ao's BackendConfig pattern by pattern, field by field; fuser methods are
+compared by behaviour on freshly built modules, in eval and in QAT mode. Any
+difference fails the test unless DELIBERATE_DIFFERENCES lists it with a
+reason; a listed difference that no longer occurs fails too, so the table
+stays true. The default QConfigMappings are compared with torch.ao's.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qcore import BackendConfig
+from qcore.config.pattern import format_pattern, to_complex_format
+from qcore.config.torch_ao import import_torch_ao_backend_config
+
+ao = import_torch_ao_backend_config()  # also loads the utils torch 2.13 forgets
+
+
+def _ao_x86():
+    from torch.ao.quantization.backend_config.x86 import get_x86_backend_config
+
+    return get_x86_backend_config()
+
+
+BACKENDS = {
+    "fbgemm": ("qcore_fbgemm.plugin", ao.get_fbgemm_backend_config, 192),
+    "qnnpack": ("qcore_qnnpack.plugin", ao.get_qnnpack_backend_config, 190),
+    "x86": ("qcore_x86.plugin", _ao_x86, 192),
+}
+
+_TRANSPOSED_CONV_BN = [
+    (nn.ConvTranspose1d, nn.BatchNorm1d),
+    (nn.ConvTranspose2d, nn.BatchNorm2d),
+    (nn.ConvTranspose3d, nn.BatchNorm3d),
+]
+
+DELIBERATE_DIFFERENCES: dict[tuple[str, str], str] = {
+    **{
+        (format_pattern(to_complex_format(pattern)), "fuser_method[qat]"): (
+            "QAT fusion of ConvTranspose + BatchNorm is unsupported in both; torch.ao raises a "
+            "bare Exception, qcore a FusionError (a ValueError) naming the modules and what "
+            "was expected"
+        )
+        for pattern in _TRANSPOSED_CONV_BN
+    },
+}
+"""(pattern in complex format, field) -> why qcore differs from torch.ao there,
+for every backend."""
+
+_CONSTRAINT_FIELDS = (
+    "dtype",
+    "quant_min_lower_bound",
+    "quant_max_upper_bound",
+    "scale_min_lower_bound",
+    "scale_max_upper_bound",
+    "scale_exact_match",
+    "zero_point_exact_match",
+)
+_MODULE_FIELDS = ("root_module", "qat_module", "reference_quantized_module", "fused_module")
+
+
+def plugin_module(name):
+    return pytest.importorskip(BACKENDS[name][0], reason=f"qcore-{name} is not installed")
+
+
+@functools.cache
+def qcore_config(name):
+    plugin = importlib.import_module(BACKENDS[name][0])
+    return BackendConfig(name).set_backend_pattern_configs(
+        plugin.qcore_backend_pattern_configs(name)
+    )
+
+
+@functools.cache
+def torch_ao_config(name):
+    return BACKENDS[name][1]()
+
+
+def keyed_qcore(config):
+    return {c.pattern_complex_format: c for c in config.configs}
+
+
+def keyed_torch_ao(config):
+    return dict(config._pattern_complex_format_to_config)
+
+
+# -- field-by-field comparison ------------------------------------------------
+
+
+def dtype_config_fields(dtype_config):
+    """Every DTypeWithConstraints field of input/output/weight, bias dtype, is_dynamic."""
+    fields = {}
+    for kind in ("input", "output", "weight"):
+        constrained = getattr(dtype_config, f"{kind}_dtype_with_constraints")
+        for name in _CONSTRAINT_FIELDS:
+            fields[f"{kind}.{name}"] = getattr(constrained, name)
+    fields["bias_dtype"] = dtype_config.bias_dtype
+    fields["is_dynamic"] = dtype_config.is_dynamic
+    return fields
+
+
+def static_fields(config):
+    """The fields compared by value (fuser methods are compared by behaviour)."""
+    fields = {
+        "pattern": config.pattern,
+        "observation_type": config.observation_type.name,
+        "num_tensor_args_to_observation_type": {
+            count: kind.name for count, kind in config._num_tensor_args_to_observation_type.items()
+        },
+        "input_type_to_index": dict(config._input_type_to_index),
+        "root_node_getter is set": config._root_node_getter is not None,
+        "extra_inputs_getter is set": config._extra_inputs_getter is not None,
+        "fuser_method is set": config.fuser_method is not None,
+        "dtype_configs count": len(config.dtype_configs),
+    }
+    for name in _MODULE_FIELDS:
+        fields[name] = getattr(config, name)
+    for index, dtype_config in enumerate(config.dtype_configs):
+        for name, value in dtype_config_fields(dtype_config).items():
+            fields[f"dtype_configs[{index}].{name}"] = value
+    return fields
+
+
+# -- fuser methods by behaviour -------------------------------------------------
+
+_SAMPLE_CHANNELS = 4
+
+
+def sample_module(op):
+    """A fresh module for one element of a fusion pattern (F.relu becomes nn.ReLU,
+    as the engines hand it to the fuser)."""
+    if op in (F.relu, torch.relu, nn.ReLU):
+        return nn.ReLU()
+    if op is nn.Linear:
+        return nn.Linear(3, _SAMPLE_CHANNELS)
+    if issubclass(op, nn.modules.conv._ConvNd):
+        return op(3, _SAMPLE_CHANNELS, 3)
+    if issubclass(op, nn.modules.batchnorm._BatchNorm):
+        bn = op(_SAMPLE_CHANNELS)
+        with torch.no_grad():  # non-trivial statistics, so folding shows in the weights
+            bn.running_mean.uniform_(-1, 1)
+            bn.running_var.uniform_(0.5, 2)
+            bn.weight.uniform_(0.5, 2)
+            bn.bias.uniform_(-1, 1)
+        return bn
+    raise AssertionError(f"no sample module for {op!r}")
+
+
+def fuser_outcome(fuser, is_qat, modules):
+    """What a fuser makes of ``modules``: the module types and parameters/buffers
+    of the result, or the name of the exception it raises."""
+    try:
+        fused = fuser(is_qat, *modules)
+    except Exception as error:  # the outcome is the error
+        return ("raises", type(error).__name__)
+    return (
+        "module",
+        [type(m) for m in fused.modules()],
+        {key: value.detach().clone() for key, value in fused.state_dict().items()},
+    )
+
+
+def same_outcome(ours, theirs):
+    if ours[0] != theirs[0] or ours[1] != theirs[1]:
+        return False
+    if ours[0] == "raises":
+        return True
+    a, b = ours[2], theirs[2]
+    return a.keys() == b.keys() and all(
+        a[k].shape == b[k].shape and torch.allclose(a[k].float(), b[k].float(), atol=1e-6)
+        for k in a
+    )
+
+
+def describe_outcome(outcome):
+    if outcome[0] == "raises":
+        return f"raises {outcome[1]}"
+    return f"{outcome[1][0].__name__} ({len(outcome[2])} tensors)"
+
+
+def fuser_differences(pattern, ours, theirs):
+    """Apply both fusers to identical fresh modules, in eval and in QAT mode."""
+    differences = []
+    torch.manual_seed(0)
+    modules = [sample_module(op) for op in pattern]
+    for mode, is_qat in (("eval", False), ("qat", True)):
+        for module in modules:
+            module.train(is_qat)
+        mine = fuser_outcome(ours, is_qat, copy.deepcopy(modules))
+        reference = fuser_outcome(theirs, is_qat, copy.deepcopy(modules))
+        if not same_outcome(mine, reference):
+            detail = f"qcore {describe_outcome(mine)}, torch.ao {describe_outcome(reference)}"
+            if describe_outcome(mine) == describe_outcome(reference):
+                detail += ": the module types match, the weights or buffers differ"
+            differences.append((f"fuser_method[{mode}]", detail))
+    return differences
+
+
+# -- the comparison --------------------------------------------------------------
+
+
+def differences(name):
+    """Every (pattern, field, detail) where qcore's config differs from torch.ao's."""
+    ours, theirs = keyed_qcore(qcore_config(name)), keyed_torch_ao(torch_ao_config(name))
+    found = []
+    for key in theirs.keys() - ours.keys():
+        found.append((format_pattern(key), "pattern", "missing in qcore"))
+    for key in ours.keys() - theirs.keys():
+        found.append((format_pattern(key), "pattern", "not in torch.ao"))
+    if list(ours.keys() & theirs.keys()) and [k for k in ours if k in theirs] != [
+        k for k in theirs if k in ours
+    ]:
+        found.append(("*", "order", "patterns are configured in a different order"))
+    for key in ours.keys() & theirs.keys():
+        mine, reference = static_fields(ours[key]), static_fields(theirs[key])
+        for field in sorted(mine.keys() | reference.keys()):
+            a, b = mine.get(field, "<absent>"), reference.get(field, "<absent>")
+            if a != b:
+                found.append((format_pattern(key), field, f"qcore {a!r}, torch.ao {b!r}"))
+        if ours[key].fuser_method is not None and theirs[key].fuser_method is not None:
+            pattern = ours[key].pattern
+            for field, detail in fuser_differences(
+                pattern, ours[key].fuser_method, theirs[key].fuser_method
+            ):
+                found.append((format_pattern(key), field, detail))
+    return sorted(found)
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_pattern_count(name):
+    plugin_module(name)
+    expected = BACKENDS[name][2]
+    assert len(qcore_config(name)) == expected
+    assert len(keyed_torch_ao(torch_ao_config(name))) == expected
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_every_pattern_and_field_matches_torch_ao(name):
+    plugin_module(name)
+    unexpected = [
+        f"{pattern} {field}: {detail}"
+        for pattern, field, detail in differences(name)
+        if (pattern, field) not in DELIBERATE_DIFFERENCES
+    ]
+    assert not unexpected, f"{name} differs from torch.ao:\n" + "\n".join(unexpected)
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_every_deliberate_difference_still_occurs(name):
+    plugin_module(name)
+    occurring = {(pattern, field) for pattern, field, _ in differences(name)}
+    stale = sorted(set(DELIBERATE_DIFFERENCES) - occurring)
+    assert not stale, f"listed in DELIBERATE_DIFFERENCES but no longer different: {stale}"
+
+
+def test_fusion_patterns_are_compared_by_behaviour():
+    """The behaviour check is not vacuous: every fusion pattern got both fusers
+    applied, and BN folding changes the weights."""
+    plugin_module("fbgemm")
+    ours = keyed_qcore(qcore_config("fbgemm"))
+    fusions = [c for c in ours.values() if c.fuser_method is not None]
+    assert len(fusions) == 3 * 6 + 3 + 4  # conv (per dim), linear, bn + relu
+    conv, bn = nn.Conv2d(3, 4, 3).eval(), sample_module(nn.BatchNorm2d).eval()
+    folded = ours[(nn.BatchNorm2d, nn.Conv2d)].fuser_method(False, conv, bn)
+    assert not torch.allclose(folded.weight, conv.weight)
+
+
+def test_qnnpack_has_the_symmetric_qint8_configs():
+    plugin_module("qnnpack")
+    ours = keyed_qcore(qcore_config("qnnpack"))
+    for key in (nn.Conv2d, nn.Linear, torch.add, torch.cat, nn.Sigmoid, nn.MaxPool2d):
+        symmetric = [d for d in ours[key].dtype_configs if d.input_dtype == torch.qint8]
+        assert len(symmetric) == 1, format_pattern(key)
+        dtype_config = symmetric[0]
+        for kind in ("input", "output"):
+            constrained = getattr(dtype_config, f"{kind}_dtype_with_constraints")
+            assert constrained.scale_min_lower_bound == 2**-12
+        if dtype_config.weight_dtype is not None:
+            weight = dtype_config.weight_dtype_with_constraints
+            assert weight.dtype == torch.qint8
+            assert (weight.quant_min_lower_bound, weight.quant_max_upper_bound) == (-127, 127)
+            assert weight.scale_min_lower_bound == 2**-12
+
+
+def test_fixed_qparams_ops_carry_exact_match_constraints():
+    plugin_module("fbgemm")
+    ours = keyed_qcore(qcore_config("fbgemm"))
+    sigmoid = ours[torch.sigmoid].dtype_configs[0].output_dtype_with_constraints
+    tanh = ours["tanh"].dtype_configs[0].input_dtype_with_constraints
+    assert (sigmoid.scale_exact_match, sigmoid.zero_point_exact_match) == (1 / 256, 0)
+    assert (tanh.scale_exact_match, tanh.zero_point_exact_match) == (2 / 256, 128)
+
+
+# -- the plugins' hooks --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_plugin_hooks_answer_only_for_their_backend(name):
+    plugin = plugin_module(name)
+    assert plugin.QCORE_PLUGIN_API_VERSION == 1
+    assert plugin.qcore_backend_kernels(name) == []
+    other = "some-other-backend"
+    assert plugin.qcore_backend_pattern_configs(other) is None
+    assert plugin.qcore_backend_kernels(other) is None
+    assert plugin.qcore_default_qconfig_mapping(other, False) is None
+
+
+def normalized(obj):
+    """A comparable form of observer/fake-quantize constructors (with_args partials)."""
+    from torch.ao.quantization.observer import _PartialWrapper
+
+    if isinstance(obj, _PartialWrapper):
+        partial = obj.p
+        return (
+            "with_args",
+            normalized(partial.func),
+            tuple(normalized(arg) for arg in partial.args),
+            tuple(sorted((key, normalized(value)) for key, value in partial.keywords.items())),
+        )
+    if isinstance(obj, functools.partial):
+        return normalized(obj.func), tuple(sorted(obj.keywords.items()))
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # QConfig
+        return tuple(normalized(item) for item in obj)
+    return obj
+
+
+def mapping_fields(mapping):
+    return {
+        "global": normalized(mapping.global_qconfig),
+        "object_type": [(op, normalized(q)) for op, q in mapping.object_type_qconfigs.items()],
+        "module_name_regex": list(mapping.module_name_regex_qconfigs.items()),
+        "module_name": list(mapping.module_name_qconfigs.items()),
+        "module_name_object_type_order": list(
+            mapping.module_name_object_type_order_qconfigs.items()
+        ),
+    }
+
+
+@pytest.mark.parametrize("is_qat", [False, True], ids=["ptq", "qat"])
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_default_qconfig_mapping_matches_torch_ao(name, is_qat):
+    from torch.ao.quantization import get_default_qat_qconfig_mapping, get_default_qconfig_mapping
+
+    plugin = plugin_module(name)
+    ours = plugin.qcore_default_qconfig_mapping(name, is_qat)
+    theirs = (get_default_qat_qconfig_mapping if is_qat else get_default_qconfig_mapping)(name)
+    assert mapping_fields(ours) == mapping_fields(theirs)
