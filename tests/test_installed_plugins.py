@@ -86,6 +86,10 @@ def test_native_accepts_linear_relu_under_qnnpack_symmetric_qconfig():
     from torch.ao.quantization import default_symmetric_qnnpack_qconfig
     from torch.ao.quantization.backend_config import get_native_backend_config
 
+    from qcore.config.torch_ao import import_torch_ao_backend_config
+
+    import_torch_ao_backend_config()
+
     from qcore.config.compat import accepts
     from qcore.config.torch_ao import from_torch_ao
 

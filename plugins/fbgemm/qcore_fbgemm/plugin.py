@@ -20,10 +20,12 @@ def qcore_backend_pattern_configs(backend):
 
 @hookimpl
 def qcore_backend_kernels(backend):
-    """No kernels yet: every pattern stays in reference form at convert."""
+    """int8 linear and conv kernels (with relu), packed for the fbgemm engine."""
     if backend != BACKEND:
         return None
-    return []
+    from qcore.kernels import weighted_kernels
+
+    return weighted_kernels("fbgemm")
 
 
 @hookimpl
