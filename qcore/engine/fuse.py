@@ -76,14 +76,14 @@ def fuse_graph(
             nested = _nested_modules(match.nested, modules)
             fused = match.config.fuser_method(is_qat, *nested)
         _set_module(gm, root.target, fused)
-        with gm.graph.inserting_after(match.output):
-            new_node = gm.graph.call_module(root.target, root.args, root.kwargs)
-        new_node.meta = dict(root.meta)
-        match.output.replace_all_uses_with(new_node)
+        # The root node becomes the fused module's node: it keeps its name,
+        # which is the name explain and the user know it by.
+        match.output.replace_all_uses_with(root)
         for node in match.nodes:
-            gm.graph.erase_node(node)
+            if node is not root:
+                gm.graph.erase_node(node)
         if on_fused is not None:
-            on_fused(new_node, match.nodes)
+            on_fused(root, match.nodes)
         count += 1
     if count:
         gm.delete_all_unused_submodules()

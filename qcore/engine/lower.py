@@ -69,15 +69,16 @@ class _Lowering:
         dq_in = node.args[0] if len(node.args) == 1 and not node.kwargs else None
         users = list(node.users)
         q_out = users[0] if len(users) == 1 else None
-        if not (
-            _is_call(dq_in, ops.dequantize_per_tensor) and _is_call(q_out, ops.quantize_per_tensor)
-        ):
+        from_kernel = self.dequantized.get(dq_in)
+        if from_kernel is None and not _is_call(dq_in, ops.dequantize_per_tensor):
+            dq_in = None
+        if dq_in is None or not _is_call(q_out, ops.quantize_per_tensor):
             self.unlowered[node.name] = (
                 f"kernel {kernel.name} needs a per-tensor quantized input and output around "
                 f"{pattern} (left in reference form)"
             )
             return
-        inputs = _activation_qparams(dq_in)
+        inputs = self.kernel_of[from_kernel] if from_kernel else _activation_qparams(dq_in)
         output = _activation_qparams(q_out)
         if inputs.dtype not in TORCH_QUANTIZED_DTYPE or output.dtype not in TORCH_QUANTIZED_DTYPE:
             self.unlowered[node.name] = f"kernel {kernel.name} takes 8-bit activations only"
@@ -92,17 +93,15 @@ class _Lowering:
         name = node.target
         parent_name, _, attr = name.rpartition(".")
         setattr(self.gm.get_submodule(parent_name) if parent_name else self.gm, attr, module)
-        quantized_input = self._quantized_input(dq_in, inputs)
-        with self.graph.inserting_before(node):
-            kernel_node = self.graph.call_module(name, (quantized_input,))
-        with self.graph.inserting_after(kernel_node):
-            dequantize = self.graph.call_method("dequantize", (kernel_node,))
+        # The reference node itself becomes the kernel's node, keeping its name.
+        node.args = (from_kernel or self._quantized_input(dq_in, inputs),)
+        with self.graph.inserting_after(node):
+            dequantize = self.graph.call_method("dequantize", (node,))
         for dq_out in list(q_out.users):
             dq_out.replace_all_uses_with(dequantize)
-        self.kernel_of[kernel_node] = output
-        self.dequantized[dequantize] = kernel_node
+        self.kernel_of[node] = output
+        self.dequantized[dequantize] = node
         self.lowered[node.name] = kernel.name
-        kernel_node.meta["qcore_reference_node"] = node.name
 
     def _quantized_input(self, dq_in: Node, qparams: ActivationQParams) -> Node:
         q_in = dq_in.args[0]
@@ -142,7 +141,7 @@ def _update_report(gm: GraphModule, lowering: _Lowering) -> None:
     by_name = {entry.node: entry for entry in report.entries}
     entries = []
     for node in gm.graph.nodes:
-        reference_name = node.meta.get("qcore_reference_node", node.name)
+        reference_name = node.name
         entry = by_name.get(reference_name)
         if entry is None:
             entries.append(Entry(node.name, "quantize/dequantize", Status.NOT_AN_OP))

@@ -162,5 +162,5 @@ def _warn_skipped(report: Report, qconfigs: dict[Node, Any]) -> None:
         f"{report.backend!r} ({', '.join(kinds[:5])}{', ...' if len(kinds) > 5 else ''}). "
         "qcore.explain(prepared_model) gives the reason for each.",
         QCoreWarning,
-        stacklevel=4,
+        stacklevel=5,
     )
