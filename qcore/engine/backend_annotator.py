@@ -54,11 +54,11 @@ def _spec_from_ctr(ctr: Any, cache: dict[int, QuantizationSpec]) -> Quantization
     key = id(ctr)
     if key not in cache:
         observer = ctr()
+        # The constructor already carries its range (and reduce_range): the
+        # spec leaves quant_min/quant_max unset so they are not applied twice.
         cache[key] = QuantizationSpec(
             dtype=observer.dtype,
             observer_or_fake_quant_ctr=ctr,
-            quant_min=getattr(observer, "quant_min", None),
-            quant_max=getattr(observer, "quant_max", None),
             is_dynamic=bool(getattr(observer, "is_dynamic", False)),
         )
     return cache[key]

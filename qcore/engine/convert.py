@@ -91,7 +91,9 @@ def _replace_observer(gm: GraphModule, node: Node, observer: Any, full_range: bo
     dtype = getattr(observer, "dtype", torch.float32)
     replacement: Node | Any = source
     with graph.inserting_before(node):
-        if dtype == torch.float16:
+        if type(observer).__name__ == "ReuseInputObserver":
+            pass  # torch.ao's marker for ops that keep their input's quantization
+        elif dtype == torch.float16:
             half = graph.call_method("to", (source, torch.float16))
             replacement = graph.call_method("to", (half, torch.float32))
         elif is_quantized_dtype(dtype) and getattr(observer, "is_dynamic", False):

@@ -134,8 +134,9 @@ def prepare(
     if is_qat:
         _swap_qat_modules(gm, decisions)
     plan = insert_observers(gm, annotations, make_fixed)
-    for name in plan.points_of_observer:
-        entries[name] = Entry(name, "observer", Status.NOT_AN_OP)
+    for node in gm.graph.nodes:
+        if node.name not in entries:  # the observers just inserted
+            entries[node.name] = Entry(node.name, "observer", Status.NOT_AN_OP)
     state = PreparedState(
         backend_name,
         backend_config,
