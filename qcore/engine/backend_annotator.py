@@ -174,6 +174,23 @@ def _match_qconfig(match: Match, qconfigs: Mapping[Node, Any]) -> tuple[Any, str
     return qconfig, None
 
 
+def _reuses_input(spec: QuantizationSpec) -> bool:
+    """torch.ao's ReuseInputObserver: the op keeps its input's quantization."""
+    ctr = spec.observer_or_fake_quant_ctr
+    inner = getattr(getattr(ctr, "p", ctr), "func", ctr)
+    return getattr(inner, "__name__", "") == "ReuseInputObserver"
+
+
+def _share_with_producer(
+    match: Match, tensor_nodes: set[Node], annotations: dict[Node, QuantizationAnnotation]
+) -> None:
+    inputs = [arg for _, arg in _flat_node_args(match.root) if arg in tensor_nodes]
+    producer = annotations.get(inputs[0]) if inputs else None
+    if producer is not None and producer.output_qspec is not None:
+        output = annotations.setdefault(match.output, QuantizationAnnotation(_annotated=True))
+        output.output_qspec = SharedQuantizationSpec(inputs[0])
+
+
 def _observation_type(config: BackendPatternConfig, root: Node, tensor_nodes: set) -> Any:
     by_count = config._num_tensor_args_to_observation_type
     if by_count:
@@ -200,6 +217,9 @@ def _annotate(
     act_spec = None
     if is_quantized_dtype(dtype_config.input_dtype) and qconfig.activation is not None:
         act_spec = _spec_from_ctr(qconfig.activation, cache)
+    if act_spec is not None and _reuses_input(act_spec):
+        _share_with_producer(match, tensor_nodes, annotations)
+        return
     first_edge = None
     for node in reversed(match.nodes):  # forward order: the root first
         annotation = annotations.setdefault(node, QuantizationAnnotation(_annotated=True))
