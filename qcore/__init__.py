@@ -34,6 +34,41 @@ from qcore.plugin import (
 
 __version__ = "0.1.0"
 
+# The engine, observers and QConfigs load on first use, so that `import qcore`
+# plus `qcore.list_backends()` stays cheap next to `import torch`.
+_LAZY = {
+    "prepare_fx": "qcore.api",
+    "prepare_qat_fx": "qcore.api",
+    "convert_fx": "qcore.api",
+    "convert_to_reference_fx": "qcore.api",
+    "fuse_fx": "qcore.api",
+    "quantize": "qcore.api",
+    "explain": "qcore.api",
+    "QConfig": "qcore.config.qconfig",
+    "QConfigMapping": "qcore.config.qconfig",
+    "get_default_qconfig_mapping": "qcore.api",
+    "get_default_qat_qconfig_mapping": "qcore.api",
+    "Report": "qcore.engine.explain",
+}
+
+
+def __getattr__(name: str):
+    import importlib
+
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        observers = importlib.import_module("qcore.observers")
+        if name in observers.__all__:
+            return getattr(observers, name)
+        raise AttributeError(f"module 'qcore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(__all__) | set(_LAZY))
+
 __all__ = [
     "BackendConfig",
     "BackendPatternConfig",

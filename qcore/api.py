@@ -39,6 +39,8 @@ __all__ = [
     "convert_to_reference_fx",
     "explain",
     "fuse_fx",
+    "get_default_qat_qconfig_mapping",
+    "get_default_qconfig_mapping",
     "prepare_fx",
     "prepare_qat_fx",
     "quantize",
@@ -92,6 +94,29 @@ def _default_mapping(installed: Any, is_qat: bool) -> Any:
 
         mapping = default_qconfig_mapping("x86", is_qat=is_qat)
     return mapping
+
+
+def _installed_or_none(backend: str) -> Any:
+    try:
+        return get_backend(backend)
+    except UnknownBackendError:
+        return None
+
+
+def get_default_qconfig_mapping(backend: str = "x86") -> Any:
+    """The default post-training QConfigMapping for ``backend``: its plugin's,
+    or qcore's own for the first-party backend styles when none is installed.
+
+    Example::
+
+        >>> mapping = qcore.get_default_qconfig_mapping("fbgemm")
+    """
+    return _default_mapping(_installed_or_none(backend), is_qat=False)
+
+
+def get_default_qat_qconfig_mapping(backend: str = "x86") -> Any:
+    """The default QConfigMapping for quantization-aware training on ``backend``."""
+    return _default_mapping(_installed_or_none(backend), is_qat=True)
 
 
 def _make_fixed(spec: Any) -> torch.nn.Module:
