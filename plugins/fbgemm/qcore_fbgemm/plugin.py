@@ -30,9 +30,9 @@ def qcore_backend_kernels(backend):
 
 @hookimpl
 def qcore_default_qconfig_mapping(backend, is_qat):
-    """torch.ao's default ``fbgemm`` QConfigMapping (PTQ or QAT)."""
+    """The default ``fbgemm`` QConfigMapping (PTQ or QAT), built from qcore's observers."""
     if backend != BACKEND:
         return None
-    from qcore.config.default_qconfigs import default_qconfig_mapping
+    from qcore.config.qconfig import default_qconfig_mapping
 
     return default_qconfig_mapping(BACKEND, is_qat=is_qat)
