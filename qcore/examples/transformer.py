@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from ._common import CALIBRATION_SEED, MODEL_SEED, ZooEntry, gaussian_batches, seeded
+from qcore.examples._common import CALIBRATION_SEED, MODEL_SEED, ZooEntry, gaussian_batches, seeded
 
 SEQ_LEN = 16
 DIM = 64

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._common import (
+from qcore.examples._common import (
     CALIBRATION_SEED,
     MODEL_SEED,
     ZooEntry,

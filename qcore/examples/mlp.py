@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._common import CALIBRATION_SEED, MODEL_SEED, ZooEntry, gaussian_batches, seeded
+from qcore.examples._common import CALIBRATION_SEED, MODEL_SEED, ZooEntry, gaussian_batches, seeded
 
 IN_FEATURES = 64
 HIDDEN = (128, 128, 64)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._common import CALIBRATION_SEED, MODEL_SEED, ZooEntry, gaussian_batches, seeded
+from qcore.examples._common import CALIBRATION_SEED, MODEL_SEED, ZooEntry, gaussian_batches, seeded
 
 SEQ_LEN = 12
 IN_FEATURES = 32
