@@ -69,6 +69,7 @@ def __getattr__(name: str):
 def __dir__() -> list[str]:
     return sorted(set(__all__) | set(_LAZY))
 
+
 __all__ = [
     "BackendConfig",
     "BackendPatternConfig",
