@@ -71,6 +71,10 @@ def _swap_reference_modules(gm: GraphModule, state: PreparedState) -> None:
         float_module, weight_qparams = _float_and_weight_qparams(module, accepted.qconfig)
         if not weight_qparams:
             continue
+        if float_module is not module:
+            # A QAT module returned to float: ConvBnReLU2d folds its batch norm
+            # and becomes a ConvReLU2d, the class kernels know it by.
+            original_type = type(float_module)
         reference = ReferenceModule(float_module, weight_qparams, original_type)
         _set_module(gm, accepted.root_target, reference)
 
