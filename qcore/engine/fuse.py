@@ -50,6 +50,13 @@ def _set_module(root: torch.nn.Module, name: str, module: torch.nn.Module) -> No
     setattr(root.get_submodule(parent_name) if parent_name else root, attr, module)
 
 
+def _delete_module(root: torch.nn.Module, name: str) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    if attr in parent._modules:
+        del parent._modules[attr]
+
+
 def fuse_graph(
     gm: GraphModule, backend_config: BackendConfig, is_qat: bool, on_fused: Callable | None = None
 ) -> int:
@@ -61,6 +68,7 @@ def fuse_graph(
     modules = dict(gm.named_modules())
     matches = {id(m): m for m in find_matches(list(gm.graph.nodes), rules, modules).values()}
     count = 0
+    fused_away: set[str] = set()
     for match in matches.values():
         if len(match.nodes) < 2:
             continue
@@ -81,11 +89,19 @@ def fuse_graph(
         match.output.replace_all_uses_with(root)
         for node in match.nodes:
             if node is not root:
+                if node.op == "call_module":
+                    fused_away.add(node.target)
                 gm.graph.erase_node(node)
         if on_fused is not None:
             on_fused(root, match.nodes)
         count += 1
     if count:
+        # The fused module holds the fused-away instances (bn, relu) as its
+        # children; delete_all_unused_submodules sees each instance once, under
+        # the fused module's name, and would leave their old names behind.
+        called = {node.target for node in gm.graph.nodes if node.op == "call_module"}
+        for target in sorted(fused_away - called):
+            _delete_module(gm, target)
         gm.delete_all_unused_submodules()
         gm.recompile()
     return count
