@@ -3,7 +3,8 @@
 Exit codes, for scripts:
 
 * 0: done, every plugin involved loaded;
-* 1: ``qcore backends`` printed its table, but at least one plugin is broken;
+* 1: ``qcore backends`` printed its table, but at least one plugin is broken
+  (or ``qcore demo`` could not quantize a model with some backend);
 * 2: bad command line;
 * 3: the backend asked for is not installed;
 * 4: the backend asked for failed to load (the error is printed).
@@ -215,6 +216,13 @@ def cmd_show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from qcore.demo import run_demo
+
+    results = run_demo(args.backend, args.model, args.path, batches=args.batches)
+    return EXIT_BROKEN_PLUGIN if any(result.error for result in results) else EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qcore", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -224,6 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
     show_parser = commands.add_parser("show", help="show a backend's patterns and dtype configs")
     show_parser.add_argument("name", help="backend name, e.g. fbgemm or native")
     show_parser.set_defaults(run=cmd_show)
+    demo = commands.add_parser(
+        "demo", help="quantize the bundled example models with every installed backend"
+    )
+    demo.add_argument("--backend", action="append", help="only this backend (repeatable)")
+    demo.add_argument("--model", action="append", help="only this example model (repeatable)")
+    demo.add_argument("--path", action="append", choices=["fx", "pt2e"], help="only this path")
+    demo.add_argument("--batches", type=int, default=8, help="calibration batches (default 8)")
+    demo.set_defaults(run=cmd_demo)
     return parser
 
 

@@ -127,6 +127,11 @@ def annotate_with_backend_config(
             entries[node.name] = Entry(node.name, op, Status.NOT_AN_OP)
             continue
         match = matches.get(node)
+        if match is None and node not in tensor_nodes:
+            entries[node.name] = Entry(
+                node.name, op, Status.NOT_AN_OP, "computes no tensor (a shape or a size)"
+            )
+            continue
         if match is None:
             reason = fusion_notes.get(node) or (
                 f"no pattern in backend {backend.name!r} matches {op}"

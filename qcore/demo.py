@@ -1,0 +1,284 @@
+"""`qcore demo`: every installed backend on the bundled example models.
+
+For each backend and model, on each path (FX graph mode; PT2E when qcore's
+PT2E path is available): operators quantized out of all, SQNR against float,
+float and int8 latency and the speedup, model size; then the explain report
+of whatever stayed in float.
+"""
+
+from __future__ import annotations
+
+import io
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import torch
+
+from qcore.config.errors import QCoreWarning
+from qcore.examples import EVAL_SEED, ZOO, ZooEntry
+from qcore.plugin import NATIVE, BackendLoadError, default_registry
+
+__all__ = ["DemoResult", "run_demo"]
+
+
+@dataclass
+class DemoResult:
+    backend: str
+    model: str
+    path: str
+    ops_quantized: int = 0
+    ops_on_kernels: int = 0
+    ops_total: int = 0
+    sqnr_db: float = float("nan")
+    float_ms: float = float("nan")
+    int8_ms: float = float("nan")
+    float_bytes: int = 0
+    int8_bytes: int = 0
+    float_ops: list[str] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def speedup(self) -> float:
+        return self.float_ms / self.int8_ms if self.int8_ms else float("nan")
+
+
+def sqnr(reference: torch.Tensor, actual: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB."""
+    noise = (reference - actual).norm()
+    if noise == 0:
+        return float("inf")
+    return float(20 * torch.log10(reference.norm() / noise))
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    while isinstance(output, (tuple, list)):
+        output = output[0]
+    return output
+
+
+def _latency_ms(model: Callable, inputs: tuple, repeats: int) -> float:
+    with torch.no_grad():
+        for _ in range(2):
+            model(*inputs)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(*inputs)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _size_bytes(model: torch.nn.Module) -> int:
+    buffer = io.BytesIO()
+    try:
+        torch.save(model.state_dict(), buffer)
+    except Exception:  # a module whose state cannot be saved: count nothing
+        return 0
+    return buffer.tell()
+
+
+class _Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, stream: TextIO, label: str, total: int) -> None:
+        self.stream, self.label, self.total, self.done = stream, label, total, 0
+
+    def step(self) -> None:
+        self.done += 1
+        filled = round(20 * self.done / self.total)
+        self.stream.write(
+            f"\r  [{'#' * filled}{'.' * (20 - filled)}] {self.done}/{self.total} {self.label}"
+        )
+        if self.done == self.total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def _mapping(backend: str, entry: ZooEntry) -> Any:
+    from qcore.api import get_default_qconfig_mapping
+
+    if not entry.dynamic:
+        return get_default_qconfig_mapping(backend)
+    from qcore.config.qconfig import QConfigMapping, default_dynamic_qconfig
+
+    return (
+        QConfigMapping()
+        .set_object_type(torch.nn.Linear, default_dynamic_qconfig)
+        .set_object_type(torch.nn.LSTM, default_dynamic_qconfig)
+    )
+
+
+def _quantize_fx(backend: str, entry: ZooEntry, model: torch.nn.Module, progress: _Progress):
+    from qcore.api import convert_fx, prepare_fx
+
+    prepared = prepare_fx(model, _mapping(backend, entry), entry.example_inputs(), backend=backend)
+    with torch.no_grad():
+        for batch in entry.calibration_data(progress.total):
+            prepared(*batch)
+            progress.step()
+    return convert_fx(prepared)
+
+
+def _quantize_pt2e(backend: str, entry: ZooEntry, model: torch.nn.Module, progress: _Progress):
+    from qcore.pt2e import convert_pt2e, prepare_pt2e
+
+    exported = torch.export.export(model, entry.example_inputs()).module()
+    prepared = prepare_pt2e(exported, backend)
+    with torch.no_grad():
+        for batch in entry.calibration_data(progress.total):
+            prepared(*batch)
+            progress.step()
+    return convert_pt2e(prepared)
+
+
+def pt2e_available() -> bool:
+    try:
+        import qcore.pt2e  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _measure(
+    backend: str, entry: ZooEntry, path: str, batches: int, repeats: int, stream: TextIO
+) -> DemoResult:
+    from qcore.api import explain
+
+    result = DemoResult(backend, entry.name, path)
+    model = entry.make_model()
+    progress = _Progress(stream, f"calibrating {entry.name} for {backend} ({path})", batches)
+    quantize = _quantize_fx if path == "fx" else _quantize_pt2e
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", QCoreWarning)  # the report below says it all
+            converted = quantize(backend, entry, model, progress)
+    except Exception as error:  # one failure must not end the demo
+        result.error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        return result
+    report = explain(converted)
+    ops = report.ops
+    result.ops_total = len(ops)
+    result.ops_on_kernels = len(report.quantized)
+    result.ops_quantized = len(report.quantized) + len(report.reference)
+    result.float_ops = [f"{e.node} ({e.op}): {e.reason}" for e in report.float]
+    evals = entry.calibration_data(4, seed=EVAL_SEED)
+    with torch.no_grad():
+        scores = [sqnr(_first_tensor(model(*b)), _first_tensor(converted(*b))) for b in evals]
+    result.sqnr_db = statistics.mean(scores)
+    inputs = entry.example_inputs()
+    result.float_ms = _latency_ms(model, inputs, repeats)
+    result.int8_ms = _latency_ms(converted, inputs, repeats)
+    result.float_bytes = _size_bytes(model)
+    result.int8_bytes = _size_bytes(converted)
+    return result
+
+
+def _demo_backends(requested: Iterable[str] | None) -> list[str]:
+    if requested:
+        return list(requested)
+    registry = default_registry()
+    names = []
+    for name in registry.names():
+        if name == NATIVE:
+            continue
+        try:
+            registry.get(name)
+        except BackendLoadError:
+            continue  # `qcore backends` shows why
+        names.append(name)
+    return names
+
+
+def _row(result: DemoResult) -> list[str]:
+    if result.error:
+        return [
+            result.backend,
+            result.model,
+            result.path,
+            "failed: " + result.error,
+            "",
+            "",
+            "",
+            "",
+            "",
+        ]
+    return [
+        result.backend,
+        result.model,
+        result.path,
+        f"{result.ops_quantized}/{result.ops_total} ({result.ops_on_kernels} on kernels)",
+        f"{result.sqnr_db:.1f}",
+        f"{result.float_ms:.2f}",
+        f"{result.int8_ms:.2f}",
+        f"{result.speedup:.2f}x",
+        f"{result.float_bytes / 1024:.0f} -> {result.int8_bytes / 1024:.0f} KiB",
+    ]
+
+
+def format_results(results: list[DemoResult]) -> str:
+    header = [
+        "BACKEND",
+        "MODEL",
+        "PATH",
+        "OPS QUANTIZED",
+        "SQNR dB",
+        "FLOAT ms",
+        "INT8 ms",
+        "SPEEDUP",
+        "SIZE",
+    ]
+    rows = [header] + [_row(result) for result in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def run_demo(
+    backends: Iterable[str] | None = None,
+    models: Iterable[str] | None = None,
+    paths: Iterable[str] | None = None,
+    *,
+    batches: int = 8,
+    repeats: int = 20,
+    stream: TextIO = sys.stdout,
+    progress_stream: TextIO = sys.stderr,
+) -> list[DemoResult]:
+    """Quantize the example models with each backend and path; print and return the results."""
+    names = _demo_backends(backends)
+    entries = [ZOO[name] for name in (models or ZOO)]
+    chosen_paths = list(paths) if paths else (["fx", "pt2e"] if pt2e_available() else ["fx"])
+    torch.manual_seed(0)
+    if not names:
+        stream.write(
+            "No backend plugins are installed: nothing to quantize for. Install one, e.g.\n"
+            "  pip install qcore-x86      (or qcore-fbgemm, qcore-qnnpack)\n"
+        )
+        return []
+    results = []
+    for name in names:
+        progress_stream.write(f"{name}:\n")
+        for entry in entries:
+            for path in chosen_paths:
+                results.append(_measure(name, entry, path, batches, repeats, progress_stream))
+    stream.write(
+        f"\nqcore demo: {len(names)} backend(s), torch {torch.__version__}, "
+        f"{torch.get_num_threads()} thread(s)\n\n"
+    )
+    stream.write(format_results(results) + "\n")
+    floats = [r for r in results if r.float_ops]
+    if floats:
+        stream.write("\nWhat stayed in float, and why:\n")
+        for result in floats:
+            stream.write(f"  {result.backend} / {result.model} ({result.path}):\n")
+            for line in result.float_ops:
+                stream.write(f"    {line}\n")
+    return results
