@@ -16,6 +16,13 @@ __all__ = [
 ]
 
 
+def _register_batch_counter(observer: torch.nn.Module) -> None:
+    """``batches_observed``: how many non-empty tensors a moving average has seen, the
+    weight of its averages when several processes' observers are merged
+    (:func:`qcore.sync_observers`). Not persistent: state_dicts keep torch.ao's keys."""
+    observer.register_buffer("batches_observed", torch.tensor(0), persistent=False)
+
+
 class MinMaxObserver(UniformQuantizationObserverBase):
     """qparams from the running minimum and maximum of everything observed."""
 
@@ -109,6 +116,12 @@ class MovingAverageMinMaxObserver(MinMaxObserver):
             is_dynamic=is_dynamic,
             **kwargs,
         )
+        _register_batch_counter(self)
+
+    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
+        if x_orig.numel() != 0:
+            self.batches_observed += 1
+        return super().forward(x_orig)
 
     def _update(self, x_min: torch.Tensor, x_max: torch.Tensor) -> None:
         if self.min_val == float("inf") and self.max_val == float("-inf"):
@@ -230,6 +243,12 @@ class MovingAveragePerChannelMinMaxObserver(PerChannelMinMaxObserver):
             **kwargs,
         )
         self.averaging_constant = averaging_constant
+        _register_batch_counter(self)
+
+    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
+        if x_orig.numel() != 0:
+            self.batches_observed += 1
+        return super().forward(x_orig)
 
     def _combine(self, cur: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.averaging_constant
