@@ -7,7 +7,8 @@ Exit codes, for scripts:
   (or ``qcore demo`` could not quantize a model with some backend);
 * 2: bad command line;
 * 3: the backend asked for is not installed;
-* 4: the backend asked for failed to load (the error is printed).
+* 4: the backend asked for failed to load (the error is printed);
+* 5: ``qcore check`` ran, and at least one conformance check failed.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ EXIT_BROKEN_PLUGIN = 1
 EXIT_USAGE = 2
 EXIT_UNKNOWN_BACKEND = 3
 EXIT_LOAD_ERROR = 4
+EXIT_CHECK_FAILED = 5
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -223,6 +225,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_BROKEN_PLUGIN if any(result.error for result in results) else EXIT_OK
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from qcore.conformance import run_checks
+
+    try:
+        default_registry().get(args.name)
+    except UnknownBackendError as error:
+        print(f"qcore: {error}", file=sys.stderr)
+        return EXIT_UNKNOWN_BACKEND
+    except BackendLoadError as error:
+        print(f"qcore: {error}", file=sys.stderr)
+        return EXIT_LOAD_ERROR
+    results = run_checks(args.name)
+    for result in results:
+        print(f"{'PASS' if result.passed else 'FAIL'}  {result.check}: {result.detail}")
+    failed = sum(not result.passed for result in results)
+    print(f"\n{len(results) - failed} passed, {failed} failed")
+    return EXIT_CHECK_FAILED if failed else EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qcore", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -240,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--path", action="append", choices=["fx", "pt2e"], help="only this path")
     demo.add_argument("--batches", type=int, default=8, help="calibration batches (default 8)")
     demo.set_defaults(run=cmd_demo)
+    check = commands.add_parser("check", help="run the conformance suite on a backend")
+    check.add_argument("name", help="backend name")
+    check.set_defaults(run=cmd_check)
     return parser
 
 
