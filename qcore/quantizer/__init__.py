@@ -1,5 +1,12 @@
 """Layer 2, quantizer: the annotation API both front doors produce."""
 
+from qcore.quantizer.quantizer import (
+    ANNOTATION_KEY,
+    AnnotationChange,
+    ComposableQuantizer,
+    QuantizationConfig,
+    Quantizer,
+)
 from qcore.quantizer.spec import (
     DerivedQuantizationSpec,
     EdgeOrNode,
@@ -11,11 +18,16 @@ from qcore.quantizer.spec import (
 )
 
 __all__ = [
+    "ANNOTATION_KEY",
+    "AnnotationChange",
+    "ComposableQuantizer",
     "DerivedQuantizationSpec",
     "EdgeOrNode",
     "FixedQParamsQuantizationSpec",
     "QuantizationAnnotation",
+    "QuantizationConfig",
     "QuantizationSpec",
     "QuantizationSpecBase",
+    "Quantizer",
     "SharedQuantizationSpec",
 ]
