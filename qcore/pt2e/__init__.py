@@ -1,0 +1,22 @@
+"""The PT2E front door: quantize torch.export graphs with a Quantizer or a backend name.
+
+>>> exported = torch.export.export(model.eval(), example_inputs).module()
+>>> prepared = qcore.prepare_pt2e(exported, "x86")     # or a Quantizer
+>>> for batch in calibration_data:
+...     prepared(*batch)
+>>> converted = qcore.convert_pt2e(prepared)
+>>> print(qcore.explain(converted))
+"""
+
+from qcore.pt2e.backend_quantizer import BackendQuantizer
+from qcore.pt2e.convert import convert_pt2e
+from qcore.pt2e.graph import AnnotationError
+from qcore.pt2e.prepare import prepare_pt2e, prepare_qat_pt2e
+
+__all__ = [
+    "AnnotationError",
+    "BackendQuantizer",
+    "convert_pt2e",
+    "prepare_pt2e",
+    "prepare_qat_pt2e",
+]

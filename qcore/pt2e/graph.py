@@ -1,0 +1,128 @@
+"""What the PT2E path accepts: torch.export graphs and annotations on them.
+
+Every error names the node it is about.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from qcore.config.errors import describe
+from qcore.quantizer.quantizer import ANNOTATION_KEY
+from qcore.quantizer.spec import (
+    DerivedQuantizationSpec,
+    QuantizationAnnotation,
+    SharedQuantizationSpec,
+)
+
+__all__ = ["AnnotationError", "annotations_of", "as_exported_module", "is_tensor_node"]
+
+
+class AnnotationError(ValueError):
+    """An annotation refers to something that is not an edge or node of the graph."""
+
+
+_EXPORT_HINT = "expected the module of torch.export.export(model, example_inputs).module()"
+
+
+def _is_export_guard(gm: GraphModule, node: Node) -> bool:
+    """torch.export's module() checks its input shapes in one call_module node."""
+    return type(gm.get_submodule(node.target)).__name__ == "GuardsFn"
+
+
+def as_exported_module(model: Any) -> GraphModule:
+    """The GraphModule of an ExportedProgram, or ``model`` if it is one already.
+
+    Raises TypeError for anything else, naming the first node that shows the
+    graph was not produced by torch.export.
+    """
+    if isinstance(model, torch.export.ExportedProgram):
+        return model.module()
+    if not isinstance(model, GraphModule):
+        raise TypeError(f"model: got {describe(model)}; {_EXPORT_HINT}")
+    for node in model.graph.nodes:
+        if node.op == "call_module" and not _is_export_guard(model, node):
+            raise TypeError(
+                f"model: node {node.name!r} calls module {node.target!r}, which graphs from "
+                f"torch.export never do (a torch.fx.symbolic_trace graph?); {_EXPORT_HINT}"
+            )
+        if node.op in ("placeholder", "call_function") and "val" not in node.meta:
+            raise TypeError(
+                f"model: node {node.name!r} ({node.op} {describe(node.target)}) has no "
+                f"meta['val'], which torch.export records on every node; {_EXPORT_HINT}"
+            )
+    return model
+
+
+def is_tensor_node(node: Any) -> bool:
+    """Whether ``node`` produces one floating-point tensor (something to quantize)."""
+    if not isinstance(node, Node):
+        return False
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _flat_args(node: Node) -> set[Node]:
+    found: set[Node] = set()
+    for arg in (*node.args, *node.kwargs.values()):
+        items = arg if isinstance(arg, (list, tuple)) else [arg]
+        found.update(item for item in items if isinstance(item, Node))
+    return found
+
+
+def _check_point(where: str, point: Any, nodes: set[Node]) -> None:
+    if isinstance(point, Node):
+        if point not in nodes:
+            raise AnnotationError(f"{where} refers to node {point.name!r}, not in this graph")
+        return
+    producer, consumer = point
+    for node in (producer, consumer):
+        if node not in nodes:
+            raise AnnotationError(f"{where} refers to node {node.name!r}, not in this graph")
+    if producer not in _flat_args(consumer):
+        raise AnnotationError(
+            f"{where} refers to the edge ({producer.name!r}, {consumer.name!r}), but "
+            f"{producer.name!r} is not an input of {consumer.name!r}"
+        )
+
+
+def _check_spec(where: str, spec: Any, nodes: set[Node]) -> None:
+    if isinstance(spec, SharedQuantizationSpec):
+        _check_point(f"{where}: SharedQuantizationSpec", spec.edge_or_node, nodes)
+    elif isinstance(spec, DerivedQuantizationSpec):
+        for index, point in enumerate(spec.derived_from):
+            _check_point(f"{where}: DerivedQuantizationSpec.derived_from[{index}]", point, nodes)
+
+
+def annotations_of(gm: GraphModule) -> dict[Node, QuantizationAnnotation]:
+    """The annotations on ``gm``'s nodes, each checked against the graph."""
+    nodes = set(gm.graph.nodes)
+    found: dict[Node, QuantizationAnnotation] = {}
+    for node in gm.graph.nodes:
+        annotation = node.meta.get(ANNOTATION_KEY)
+        if annotation is None:
+            continue
+        where = f"annotation of node {node.name!r}"
+        if not isinstance(annotation, QuantizationAnnotation):
+            raise AnnotationError(
+                f"{where}: got {describe(annotation)}; expected a qcore QuantizationAnnotation"
+            )
+        inputs = _flat_args(node)
+        for arg, spec in annotation.input_qspec_map.items():
+            if not isinstance(arg, Node) or arg not in nodes:
+                name = arg.name if isinstance(arg, Node) else describe(arg)
+                raise AnnotationError(
+                    f"{where}: input_qspec_map key {name!r} is not a node of this graph"
+                )
+            if arg not in inputs:
+                raise AnnotationError(
+                    f"{where}: input_qspec_map key {arg.name!r} is not an input of "
+                    f"{node.name!r} (its inputs: {sorted(n.name for n in inputs)})"
+                )
+            _check_spec(f"{where}, input {arg.name!r}", spec, nodes)
+        _check_spec(f"{where}, output", annotation.output_qspec, nodes)
+        found[node] = annotation
+    return found
