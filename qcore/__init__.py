@@ -49,6 +49,17 @@ _LAZY = {
     "get_default_qconfig_mapping": "qcore.api",
     "get_default_qat_qconfig_mapping": "qcore.api",
     "Report": "qcore.engine.explain",
+    "prepare_pt2e": "qcore.pt2e",
+    "prepare_qat_pt2e": "qcore.pt2e",
+    "convert_pt2e": "qcore.pt2e",
+    "Quantizer": "qcore.quantizer",
+    "ComposableQuantizer": "qcore.quantizer",
+    "QuantizationConfig": "qcore.quantizer",
+    "QuantizationSpec": "qcore.quantizer",
+    "SharedQuantizationSpec": "qcore.quantizer",
+    "FixedQParamsQuantizationSpec": "qcore.quantizer",
+    "DerivedQuantizationSpec": "qcore.quantizer",
+    "QuantizationAnnotation": "qcore.quantizer",
 }
 
 
