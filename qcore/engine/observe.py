@@ -118,6 +118,17 @@ def _comparable(spec: QuantizationSpecBase) -> tuple:
     )
 
 
+def _resolve_shared(spec: Any, specs: dict) -> Any:
+    """The spec a SharedQuantizationSpec chain ends at (None for a cycle)."""
+    seen = set()
+    while isinstance(spec, SharedQuantizationSpec):
+        if id(spec) in seen:
+            return None
+        seen.add(id(spec))
+        spec = specs.get(spec.edge_or_node)
+    return spec
+
+
 def insert_observers(
     gm: GraphModule,
     annotations: dict[Node, QuantizationAnnotation],
@@ -151,11 +162,15 @@ def insert_observers(
             groups.union(target, point)
     by_producer: dict[tuple[Node, tuple], Point] = {}
     for point, spec in specs.items():
+        # An edge sharing with another point compares by that point's spec
+        # (seed 004's cat: the second input, shared with the first, also shares
+        # with its own producer, so both producers end up in one group).
+        spec = _resolve_shared(spec, specs)
         if not isinstance(point, tuple) or not isinstance(spec, QuantizationSpec):
             continue
         producer = point[0]
         allow = annotations[point[1]].allow_implicit_sharing
-        if allow and specs.get(producer) == spec:
+        if allow and _resolve_shared(specs.get(producer), specs) == spec:
             groups.union(producer, point)
         elif allow:
             key = (producer, _comparable(spec) + (spec.observer_or_fake_quant_ctr,))
