@@ -1,127 +1,308 @@
 """Lowering: the backend's kernels replace the reference patterns they support.
 
-A reference pattern is ``dequantize -> ReferenceModule -> quantize``. A kernel
-whose pattern is the module's original class replaces it with one module
-taking and returning torch quantized tensors. Its input is quantized once
-(or taken straight from a preceding kernel), its float users get one
-dequantize: between consecutive kernels the data stays int8. What no kernel
-takes stays in reference form, and explain says so.
+The reference graph marks every quantized edge with ``quantize -> dequantize``
+(``qcore.ops``, plain integer tensors). Walking it in order, each op whose
+inputs come through such a pair (or through a dynamic fake-quantize, or which
+is a ``ReferenceModule``) is offered to the backend's kernels. A kernel whose
+pattern matches (a module class, a function, a method name, or a forward chain
+of them like ``add -> relu``) gets a :class:`~qcore.plugin.kernels.KernelMatch`
+and returns a module or :class:`~qcore.plugin.kernels.SameOp`.
+
+The lowered op then takes torch quantized tensors: its input is quantized once
+(``torch.quantize_per_tensor``) or taken straight from a preceding kernel with
+the same qparams, so between consecutive kernels the data stays int8. Its
+float users get one ``dequantize``, which dead-code elimination drops when
+every user is a kernel. What no kernel takes stays in reference form, and
+explain says why.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.fx.node import map_arg
 
 from qcore import ops
 from qcore.engine.explain import REPORT_KEY, Entry, Report, Status
 from qcore.engine.reference import ReferenceModule
 from qcore.kernels.runtime import TORCH_QUANTIZED_DTYPE, quiet_quantized_tensors
-from qcore.kernels.weighted import ActivationQParams
+from qcore.plugin.kernels import ActivationQParams, DynamicInput, KernelMatch, SameOp
 
 __all__ = ["lower"]
+
+_8BIT = {torch.quint8: (0, 255), torch.qint8: (-128, 127)}
+_SKIPPED_FUNCTIONS = (
+    ops.quantize_per_tensor,
+    ops.dequantize_per_tensor,
+    ops.quantize_per_channel,
+    ops.dequantize_per_channel,
+    ops.fake_quantize_dynamic,
+    operator.getitem,
+    getattr,
+)
+
+
+class _Refused(Exception):
+    """A kernel cannot take this match; the message is explain's reason."""
 
 
 def _is_call(node: Any, function: Any) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target is function
 
 
-def _activation_qparams(node: Node) -> ActivationQParams:
-    _, scale, zero_point, _, _, dtype = node.args
-    return ActivationQParams(float(scale), int(zero_point), dtype)
+def _qparams(node: Node) -> ActivationQParams:
+    """The qparams of a qcore quantize/dequantize node, checked to be torch's 8-bit ones."""
+    _, scale, zero_point, quant_min, quant_max, dtype = node.args
+    if isinstance(scale, Node) or isinstance(zero_point, Node):
+        raise _Refused("its qparams are not constants")
+    torch_dtype = TORCH_QUANTIZED_DTYPE.get(dtype)
+    if torch_dtype not in _8BIT:
+        raise _Refused(f"torch's int8 kernels take 8-bit activations, not {dtype}")
+    if (quant_min, quant_max) != _8BIT[torch_dtype]:
+        raise _Refused(
+            f"activation range [{quant_min}, {quant_max}] is narrower than {torch_dtype}'s; "
+            "torch's kernels clamp to the full range"
+        )
+    return ActivationQParams(float(scale), int(zero_point), torch_dtype)
 
 
-def _find_kernel(kernels: tuple, reference: ReferenceModule) -> Any:
-    for kernel in kernels:
-        if kernel.pattern is reference.original_type and kernel.lower is not None:
-            return kernel
-    return None
+def _element_matches(element: Any, node: Node, modules: dict) -> bool:
+    if isinstance(element, type):
+        if node.op != "call_module":
+            return False
+        module = modules.get(node.target)
+        kind = module.original_type if isinstance(module, ReferenceModule) else type(module)
+        return kind is element
+    if isinstance(element, str):
+        return node.op == "call_method" and node.target == element
+    return node.op == "call_function" and node.target is element
+
+
+def _match_chain(chain: tuple, root: Node, modules: dict) -> list[Node] | None:
+    """The nodes matching ``chain`` (forward order) from ``root``, each feeding the next."""
+    if not _element_matches(chain[0], root, modules):
+        return None
+    nodes = [root]
+    for element in chain[1:]:
+        users = list(nodes[-1].users)
+        if len(users) != 1 or not _element_matches(element, users[0], modules):
+            return None
+        following = users[0]
+        others = [n for n in following.all_input_nodes if n is not nodes[-1]]
+        if others or not following.args or following.args[0] is not nodes[-1]:
+            return None
+        nodes.append(following)
+    return nodes
 
 
 class _Lowering:
     def __init__(self, gm: GraphModule, kernels: tuple, backend: str) -> None:
         self.gm, self.graph, self.kernels, self.backend = gm, gm.graph, kernels, backend
         self.modules = dict(gm.named_modules())
-        self.kernel_of: dict[Node, ActivationQParams] = {}  # kernel node -> output qparams
-        self.dequantized: dict[Node, Node] = {}  # kernel node -> its dequantize node
+        # float node (a dequantize qcore inserted) -> (quantized node, its qparams)
+        self.float_of: dict[Node, tuple[Node, ActivationQParams]] = {}
         self.quantized: dict[tuple, Node] = {}  # (float node, qparams) -> quantize node
-        self.lowered: dict[str, str] = {}  # reference node name -> kernel name
-        self.unlowered: dict[str, str] = {}  # reference node name -> reason
+        self.inserted: set[Node] = set()
+        # Only what the backend's config quantized is lowered; float ops stay float.
+        self.quantized_ops = {e.node for e in gm.meta[REPORT_KEY].reference}
+        self.lowered: dict[str, str] = {}  # node name -> kernel name
+        self.fused_into: dict[str, str] = {}  # erased chain node name -> its root's name
+        self.unlowered: dict[str, str] = {}  # node name -> reason
+
+    # ------------------------------------------------------------------ walking
 
     def run(self) -> None:
         for node in list(self.graph.nodes):
-            if node.op == "call_module" and isinstance(
-                self.modules.get(node.target), ReferenceModule
-            ):
-                self._lower_one(node)
+            if node.graph is not self.graph or node in self.inserted:
+                continue  # erased as part of a fused chain, or inserted by lowering
+            if node.op not in ("call_module", "call_function", "call_method"):
+                continue
+            if node.op == "call_function" and node.target in _SKIPPED_FUNCTIONS:
+                continue
+            if self._is_candidate(node):
+                self._lower_node(node)
 
-    def _lower_one(self, node: Node) -> None:
-        reference = self.modules[node.target]
-        kernel = _find_kernel(self.kernels, reference)
-        pattern = reference.original_type.__name__
-        if kernel is None:
-            self.unlowered[node.name] = (
-                f"no kernel for {pattern} in backend {self.backend!r} (left in reference form)"
-            )
+    def _is_quantized_input(self, node: Any) -> bool:
+        return node in self.float_of or _is_call(node, ops.dequantize_per_tensor)
+
+    def _is_candidate(self, node: Node) -> bool:
+        if node.name not in self.quantized_ops:
+            return False
+        if node.op == "call_module" and isinstance(self.modules.get(node.target), ReferenceModule):
+            return True
+        return any(
+            self._is_quantized_input(n) or _is_call(n, ops.fake_quantize_dynamic)
+            for n in node.all_input_nodes
+        )
+
+    def _lower_node(self, node: Node) -> None:
+        reasons = []
+        for kernel in self.kernels:
+            if kernel.lower is None:
+                continue
+            chain = _match_chain(kernel.chain, node, self.modules)
+            if chain is None:
+                continue
+            try:
+                self._apply(kernel, chain)
+            except _Refused as refused:
+                reasons.append(f"kernel {kernel.name}: {refused}")
+                continue
+            for matched in chain:
+                self.lowered[matched.name] = kernel.name
+                self.unlowered.pop(matched.name, None)
+                if matched is not node:
+                    self.fused_into[matched.name] = node.name
             return
-        dq_in = node.args[0] if len(node.args) == 1 and not node.kwargs else None
-        users = list(node.users)
-        q_out = users[0] if len(users) == 1 else None
-        from_kernel = self.dequantized.get(dq_in)
-        if from_kernel is None and not _is_call(dq_in, ops.dequantize_per_tensor):
-            dq_in = None
-        if dq_in is None or not _is_call(q_out, ops.quantize_per_tensor):
-            self.unlowered[node.name] = (
-                f"kernel {kernel.name} needs a per-tensor quantized input and output around "
-                f"{pattern} (left in reference form)"
-            )
-            return
-        inputs = self.kernel_of[from_kernel] if from_kernel else _activation_qparams(dq_in)
-        output = _activation_qparams(q_out)
-        if inputs.dtype not in TORCH_QUANTIZED_DTYPE or output.dtype not in TORCH_QUANTIZED_DTYPE:
-            self.unlowered[node.name] = f"kernel {kernel.name} takes 8-bit activations only"
-            return
+        if reasons:
+            self.unlowered[node.name] = "; ".join(reasons) + " (left in reference form)"
+
+    # ------------------------------------------------------------------ one match
+
+    def _describe(self, kernel: Any, chain: list[Node]) -> tuple[KernelMatch, Node | None]:
+        root, last = chain[0], chain[-1]
+        inputs, dynamic, float_inputs = [], [], 0
+        for arg in root.all_input_nodes:
+            if arg in self.float_of:
+                inputs.append(self.float_of[arg][1])
+            elif _is_call(arg, ops.dequantize_per_tensor):
+                inputs.append(_qparams(arg))
+            elif _is_call(arg, ops.fake_quantize_dynamic):
+                _, quant_min, quant_max, dtype = arg.args
+                dynamic.append(DynamicInput(int(quant_min), int(quant_max), dtype))
+            elif "tensor_meta" in arg.meta:  # a float tensor (not a size or other value)
+                float_inputs += 1
+        if any(n.name not in self.quantized_ops for n in chain):
+            raise _Refused("part of the pattern is left in float by the backend's config")
+        users = list(last.users)
+        quantize = (
+            users[0] if len(users) == 1 and _is_call(users[0], ops.quantize_per_tensor) else None
+        )
+        if quantize is None and any(_is_call(u, ops.quantize_per_tensor) for u in users):
+            raise _Refused("its output is used both quantized and in float")
+        if quantize is not None and not all(
+            _is_call(u, ops.dequantize_per_tensor) for u in quantize.users
+        ):
+            raise _Refused("its quantized output is used other than dequantized")
+        output = _qparams(quantize) if quantize is not None else None
+        modules = tuple(
+            self.modules.get(n.target) if n.op == "call_module" else None for n in chain
+        )
+        match = KernelMatch(
+            nodes=tuple(chain),
+            modules=modules,
+            inputs=tuple(inputs),
+            output=output,
+            dynamic=tuple(dynamic),
+            float_inputs=float_inputs,
+            engine=kernel.engine,
+        )
+        return match, quantize
+
+    def _apply(self, kernel: Any, chain: list[Node]) -> None:
+        match, quantize = self._describe(kernel, chain)
         try:
-            module = kernel.lower(reference, inputs, output)
+            result = kernel.lower(match)
         except Exception as error:  # a kernel that cannot take this instance leaves it as is
-            self.unlowered[node.name] = (
-                f"kernel {kernel.name} refused {pattern}: {type(error).__name__}: {error}"
-            )
+            raise _Refused(f"{type(error).__name__}: {error}") from error
+        root = chain[0]
+        if isinstance(result, SameOp):
+            if len(chain) != 1 or quantize is None:
+                raise _Refused("SameOp needs one op with a quantized output")
+            self._wire_inputs(root)
+            produced = root
+            if result.produces != match.output:
+                produced = self._requantize(root, match.output)
+            self._publish(produced, quantize, match.output)
             return
-        name = node.target
+        if not isinstance(result, torch.nn.Module):
+            raise _Refused(f"lower returned {type(result).__name__}, not a module or SameOp")
+        returns_quantized = getattr(result, "returns_quantized", True)
+        if returns_quantized and quantize is None:
+            raise _Refused("the kernel returns int8 but the reference keeps the output float")
+        self._install(root, result)
+        self._collapse(chain)
+        self._wire_inputs(root)
+        if returns_quantized:
+            self._publish(root, quantize, match.output)
+
+    # ------------------------------------------------------------------ graph edits
+
+    def _install(self, root: Node, module: torch.nn.Module) -> None:
+        if root.op == "call_module":
+            name = root.target
+        else:
+            base, index, name = root.name, 0, root.name
+            while hasattr(self.gm, name) or name in self.modules:
+                index += 1
+                name = f"{base}_{index}"
         parent_name, _, attr = name.rpartition(".")
         setattr(self.gm.get_submodule(parent_name) if parent_name else self.gm, attr, module)
-        # The reference node itself becomes the kernel's node, keeping its name.
-        node.args = (from_kernel or self._quantized_input(dq_in, inputs),)
-        with self.graph.inserting_after(node):
-            dequantize = self.graph.call_method("dequantize", (node,))
-        for dq_out in list(q_out.users):
-            dq_out.replace_all_uses_with(dequantize)
-        self.kernel_of[node] = output
-        self.dequantized[dequantize] = node
-        self.lowered[node.name] = kernel.name
+        self.modules[name] = module
+        root.op, root.target = "call_module", name
 
-    def _quantized_input(self, dq_in: Node, qparams: ActivationQParams) -> Node:
-        q_in = dq_in.args[0]
-        source = q_in.args[0]
-        producer = self.dequantized.get(source)
-        if producer is not None and self.kernel_of[producer] == qparams:
-            return producer  # int8 straight from the previous kernel
+    def _collapse(self, chain: list[Node]) -> None:
+        """The root takes the place of the whole chain."""
+        if len(chain) == 1:
+            return
+        chain[-1].replace_all_uses_with(chain[0])
+        for node in reversed(chain[1:]):
+            self.graph.erase_node(node)
+            self.inserted.discard(node)
+
+    def _wire_inputs(self, root: Node) -> None:
+        def replace(arg: Node) -> Node:
+            if self._is_quantized_input(arg):
+                return self._as_quantized(arg)
+            if _is_call(arg, ops.fake_quantize_dynamic):
+                return arg.args[0]  # the dynamic kernel quantizes its input itself
+            return arg
+
+        root.args = map_arg(root.args, replace)
+        root.kwargs = map_arg(root.kwargs, replace)
+
+    def _as_quantized(self, node: Node) -> Node:
+        """The torch quantized tensor a quantized edge (a dequantize node) carries."""
+        if node in self.float_of:
+            return self.float_of[node][0]
+        qparams = _qparams(node)
+        quantize = node.args[0]
+        source = quantize.args[0]
+        if source in self.float_of and self.float_of[source][1] == qparams:
+            return self.float_of[source][0]  # int8 straight from the previous kernel
         key = (source, qparams)
         if key not in self.quantized:
-            with self.graph.inserting_before(q_in):
-                self.quantized[key] = self.graph.call_function(
+            with self.graph.inserting_before(quantize):
+                new = self.graph.call_function(
                     torch.quantize_per_tensor,
-                    (
-                        source,
-                        qparams.scale,
-                        qparams.zero_point,
-                        TORCH_QUANTIZED_DTYPE[qparams.dtype],
-                    ),
+                    (source, qparams.scale, qparams.zero_point, qparams.dtype),
                 )
+            self.inserted.add(new)
+            self.quantized[key] = new
         return self.quantized[key]
+
+    def _requantize(self, node: Node, qparams: ActivationQParams) -> Node:
+        with self.graph.inserting_after(node):
+            dequantized = self.graph.call_method("dequantize", (node,))
+        with self.graph.inserting_after(dequantized):
+            requantized = self.graph.call_function(
+                torch.quantize_per_tensor,
+                (dequantized, qparams.scale, qparams.zero_point, qparams.dtype),
+            )
+        self.inserted.update((dequantized, requantized))
+        return requantized
+
+    def _publish(self, node: Node, quantize: Node, qparams: ActivationQParams) -> None:
+        """``node`` (a torch quantized tensor) replaces the reference's quantize/dequantize."""
+        with self.graph.inserting_after(node):
+            dequantized = self.graph.call_method("dequantize", (node,))
+        self.inserted.add(dequantized)
+        self.float_of[dequantized] = (node, qparams)
+        for user in list(quantize.users):
+            user.replace_all_uses_with(dequantized)
 
 
 def lower(gm: GraphModule, kernels: tuple, backend: str) -> GraphModule:
@@ -131,37 +312,40 @@ def lower(gm: GraphModule, kernels: tuple, backend: str) -> GraphModule:
     lowering.run()
     gm.graph.eliminate_dead_code()
     gm.delete_all_unused_submodules()
+    gm.graph.lint()
     gm.recompile()
     _update_report(gm, lowering)
     return gm
 
 
 def _update_report(gm: GraphModule, lowering: _Lowering) -> None:
+    """Explain entries in graph order; a fused chain's nodes follow its root."""
     report: Report = gm.meta[REPORT_KEY]
     by_name = {entry.node: entry for entry in report.entries}
+    fused: dict[str, list[str]] = {}
+    for name, root in lowering.fused_into.items():
+        fused.setdefault(root, []).append(name)
     entries = []
     for node in gm.graph.nodes:
-        reference_name = node.name
-        entry = by_name.get(reference_name)
-        if entry is None:
-            entries.append(Entry(node.name, "quantize/dequantize", Status.NOT_AN_OP))
-            continue
-        if reference_name in lowering.lowered:
-            entry = Entry(
-                node.name,
-                entry.op,
-                Status.QUANTIZED,
-                "",
-                entry.pattern,
-                lowering.lowered[reference_name],
-            )
-        elif reference_name in lowering.unlowered:
-            entry = entry.with_status(Status.REFERENCE, lowering.unlowered[reference_name])
-        elif entry.status is Status.REFERENCE:
-            entry = entry.with_status(
-                Status.REFERENCE,
-                f"no kernel for {entry.pattern or entry.op} in backend {report.backend!r} "
-                "(left in reference form)",
-            )
-        entries.append(entry)
+        for name in [node.name, *fused.get(node.name, [])]:
+            entry = by_name.get(name)
+            if entry is None:
+                entries.append(Entry(name, "quantize/dequantize", Status.NOT_AN_OP))
+            else:
+                entries.append(_updated(entry, lowering, report.backend))
     gm.meta[REPORT_KEY] = Report(report.backend, entries)
+
+
+def _updated(entry: Entry, lowering: _Lowering, backend: str) -> Entry:
+    name = entry.node
+    if name in lowering.lowered:
+        return Entry(name, entry.op, Status.QUANTIZED, "", entry.pattern, lowering.lowered[name])
+    if name in lowering.unlowered:
+        return entry.with_status(Status.REFERENCE, lowering.unlowered[name])
+    if entry.status is Status.REFERENCE:
+        return entry.with_status(
+            Status.REFERENCE,
+            f"no kernel for {entry.pattern or entry.op} in backend {backend!r} "
+            "(left in reference form)",
+        )
+    return entry

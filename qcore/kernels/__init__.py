@@ -1,10 +1,29 @@
-"""The int8 kernels plugins register: a library backends pick from by engine."""
+"""The int8 kernel library plugins register, by engine: ``kernels_for("fbgemm")``.
 
-from qcore.kernels.weighted import (
-    ActivationQParams,
-    QuantizedConv,
-    QuantizedLinear,
-    weighted_kernels,
-)
+Modules by family: ``weighted`` (linear, conv, conv-transpose), ``binary``
+(add, mul, cat, matmul), ``activations``, ``norms``, ``shape`` (pooling and
+shape ops on int8 as they are), ``dynamic`` (dynamic linear, LSTM, GRU),
+``embedding`` (weight-only), ``onednn`` (x86's fused kernels); ``packed``
+(save/load of packed weights), ``runtime`` (engine-scoped packing) and
+``library`` (the full set per engine).
+"""
 
-__all__ = ["ActivationQParams", "QuantizedConv", "QuantizedLinear", "weighted_kernels"]
+from qcore.kernels.library import ENGINES, UNAVAILABLE, kernels_for
+from qcore.kernels.weighted import QuantizedConv, QuantizedConvTranspose, QuantizedLinear
+from qcore.plugin.kernels import ActivationQParams
+
+__all__ = [
+    "ENGINES",
+    "UNAVAILABLE",
+    "ActivationQParams",
+    "QuantizedConv",
+    "QuantizedConvTranspose",
+    "QuantizedLinear",
+    "kernels_for",
+    "weighted_kernels",
+]
+
+
+def weighted_kernels(engine: str) -> list:
+    """The whole library for ``engine`` (kept for plugins written before kernels_for)."""
+    return kernels_for(engine)

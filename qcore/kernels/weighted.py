@@ -1,59 +1,54 @@
-"""Kernels for linear and convolution (with fused relu) on torch's int8 ops.
+"""Kernels for linear, convolution and transposed convolution on torch's int8 ops.
 
 Each lowered module holds its weights packed for one engine (fbgemm, qnnpack,
 x86/onednn) and takes and returns torch quantized tensors, so consecutive
-kernels pass int8 data without a dequantize/quantize round trip.
+kernels pass int8 data without a dequantize/quantize round trip. Batch norm is
+folded into the weights at fusion time, so ConvBn* patterns arrive here as
+plain convolutions.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
-import torch.ao.nn.intrinsic as nni
 
 from qcore.engine.reference import ReferenceModule, weighted_child
-from qcore.kernels.runtime import packing_engine, to_torch_qtensor
-from qcore.plugin.kernels import Kernel
+from qcore.kernels.packed import PackedWeights
+from qcore.plugin.kernels import ActivationQParams, KernelMatch
 
-__all__ = ["ActivationQParams", "QuantizedConv", "QuantizedLinear", "weighted_kernels"]
-
-
-@dataclass(frozen=True)
-class ActivationQParams:
-    """Per-tensor qparams of an activation at a kernel's boundary."""
-
-    scale: float
-    zero_point: int
-    dtype: torch.dtype
+__all__ = ["QuantizedConv", "QuantizedConvTranspose", "QuantizedLinear"]
 
 
-def _packed_weight(reference: ReferenceModule) -> tuple[torch.Tensor, torch.Tensor | None]:
-    (name,) = reference.weight_qparams
-    weight = to_torch_qtensor(reference.integer_weight(name), reference.weight_qparams[name])
-    bias = weighted_child(reference.module).bias
-    return weight, None if bias is None else bias.detach().float()
+def _reference(match: KernelMatch) -> ReferenceModule:
+    if not isinstance(match.module, ReferenceModule):
+        raise TypeError(
+            f"expected a module with quantized weights, got {type(match.module).__name__} "
+            "(its QConfig has no weight observer)"
+        )
+    if len(match.inputs) != 1 or match.output is None:
+        raise ValueError("needs one quantized input and a quantized output")
+    return match.module
 
 
-class QuantizedLinear(torch.nn.Module):
+class QuantizedLinear(PackedWeights):
     """int8 linear (optionally fused with relu) on ``engine``'s packed weights."""
 
     def __init__(
         self, reference: ReferenceModule, output: ActivationQParams, relu: bool, engine: str
-    ):
-        super().__init__()
-        weight, bias = _packed_weight(reference)
-        with packing_engine(engine):
-            self._packed = torch.ops.quantized.linear_prepack(weight, bias)
-        self.engine, self.relu = engine, relu
-        self.scale, self.zero_point = output.scale, output.zero_point
+    ) -> None:
+        super().__init__(engine)
         child = weighted_child(reference.module)
         self.in_features, self.out_features = child.in_features, child.out_features
-        self._op = torch.ops.quantized.linear_relu if relu else torch.ops.quantized.linear
+        self.relu = relu
+        self.scale, self.zero_point = output.scale, output.zero_point
+        self.set_weight_from(reference)
+        self.repack()
+
+    def pack(self):
+        return torch.ops.quantized.linear_prepack(self.qweight(), self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._op(x, self._packed, self.scale, self.zero_point)
+        op = torch.ops.quantized.linear_relu if self.relu else torch.ops.quantized.linear
+        return op(x, self._packed, self.scale, self.zero_point)
 
     def extra_repr(self) -> str:
         return (
@@ -62,57 +57,61 @@ class QuantizedLinear(torch.nn.Module):
             f"zero_point={self.zero_point}"
         )
 
+    @classmethod
+    def lower(cls, match: KernelMatch, relu: bool = False):
+        return cls(_reference(match), match.output, relu, match.engine)
 
+
+# Looked up by name: torch's op objects do not pickle, kernel modules must.
 _CONV_OPS = {
-    1: (
-        torch.ops.quantized.conv1d_prepack,
-        torch.ops.quantized.conv1d,
-        torch.ops.quantized.conv1d_relu,
-    ),
-    2: (
-        torch.ops.quantized.conv2d_prepack,
-        torch.ops.quantized.conv2d,
-        torch.ops.quantized.conv2d_relu,
-    ),
-    3: (
-        torch.ops.quantized.conv3d_prepack,
-        torch.ops.quantized.conv3d,
-        torch.ops.quantized.conv3d_relu,
-    ),
+    dims: tuple(
+        getattr(torch.ops.quantized, name.format(dims))
+        for name in ("conv{}d_prepack", "conv{}d", "conv{}d_relu")
+    )
+    for dims in (1, 2, 3)
+}
+_TRANSPOSE_OPS = {
+    dims: tuple(
+        getattr(torch.ops.quantized, name.format(dims))
+        for name in ("conv_transpose{}d_prepack", "conv_transpose{}d")
+    )
+    for dims in (1, 2, 3)
 }
 
 
-class QuantizedConv(torch.nn.Module):
+class QuantizedConv(PackedWeights):
     """int8 conv1d/2d/3d (optionally fused with relu) on ``engine``'s packed weights."""
 
     def __init__(
         self, reference: ReferenceModule, output: ActivationQParams, relu: bool, engine: str
-    ):
-        super().__init__()
+    ) -> None:
+        super().__init__(engine)
         conv = weighted_child(reference.module)
         if conv.padding_mode != "zeros":
             raise ValueError(f"padding_mode {conv.padding_mode!r}: the int8 kernel pads with zeros")
-        dims = len(conv.kernel_size)
-        prepack, op, op_relu = _CONV_OPS[dims]
-        weight, bias = _packed_weight(reference)
-        with packing_engine(engine):
-            self._packed = prepack(
-                weight,
-                bias,
-                list(conv.stride),
-                list(conv.padding),
-                list(conv.dilation),
-                conv.groups,
-            )
-        self.engine, self.relu = engine, relu
+        self.dims = len(conv.kernel_size)
+        self.stride, self.padding = list(conv.stride), list(conv.padding)
+        self.dilation, self.groups = list(conv.dilation), conv.groups
+        if isinstance(conv.padding, str):
+            raise ValueError(f"padding={conv.padding!r}: the int8 kernel takes explicit padding")
+        self.relu = relu
         self.scale, self.zero_point = output.scale, output.zero_point
         self.description = (
             f"{conv.in_channels}, {conv.out_channels}, kernel_size={conv.kernel_size}"
         )
-        self._op = op_relu if relu else op
+        self.set_weight_from(reference)
+        self.repack()
+
+    def pack(self):
+        prepack = _CONV_OPS[self.dims][0]
+        return prepack(
+            self.qweight(), self.bias, self.stride, self.padding, self.dilation, self.groups
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._op(x, self._packed, self.scale, self.zero_point)
+        return _CONV_OPS[self.dims][2 if self.relu else 1](
+            x, self._packed, self.scale, self.zero_point
+        )
 
     def extra_repr(self) -> str:
         return (
@@ -120,41 +119,55 @@ class QuantizedConv(torch.nn.Module):
             f"scale={self.scale}, zero_point={self.zero_point}"
         )
 
-
-def _lowering(module_class: type, relu: bool, engine: str) -> Any:
-    def lower(reference: ReferenceModule, inputs: ActivationQParams, output: ActivationQParams):
-        return module_class(reference, output, relu, engine)
-
-    return lower
+    @classmethod
+    def lower(cls, match: KernelMatch, relu: bool = False):
+        return cls(_reference(match), match.output, relu, match.engine)
 
 
-_FAMILIES = [
-    ("linear", torch.nn.Linear, QuantizedLinear, False),
-    ("linear_relu", nni.LinearReLU, QuantizedLinear, True),
-    ("conv1d", torch.nn.Conv1d, QuantizedConv, False),
-    ("conv1d_relu", nni.ConvReLU1d, QuantizedConv, True),
-    ("conv2d", torch.nn.Conv2d, QuantizedConv, False),
-    ("conv2d_relu", nni.ConvReLU2d, QuantizedConv, True),
-    ("conv3d", torch.nn.Conv3d, QuantizedConv, False),
-    ("conv3d_relu", nni.ConvReLU3d, QuantizedConv, True),
-]
+class QuantizedConvTranspose(PackedWeights):
+    """int8 conv_transpose1d/2d/3d on ``engine``'s packed weights."""
 
-
-def weighted_kernels(engine: str) -> list[Kernel]:
-    """Linear and conv kernels (with relu) packed for ``engine``.
-
-    Example (a plugin's hook)::
-
-        @hookimpl
-        def qcore_backend_kernels(backend):
-            return weighted_kernels("fbgemm")
-    """
-    return [
-        Kernel(
-            name=f"{engine}.{name}",
-            pattern=pattern,
-            engine=engine,
-            lower=_lowering(cls, relu, engine),
+    def __init__(self, reference: ReferenceModule, output: ActivationQParams, engine: str) -> None:
+        super().__init__(engine)
+        conv = weighted_child(reference.module)
+        if conv.padding_mode != "zeros":
+            raise ValueError(f"padding_mode {conv.padding_mode!r}: the int8 kernel pads with zeros")
+        self.dims = len(conv.kernel_size)
+        self.stride, self.padding = list(conv.stride), list(conv.padding)
+        self.output_padding, self.dilation = list(conv.output_padding), list(conv.dilation)
+        self.groups = conv.groups
+        self.scale, self.zero_point = output.scale, output.zero_point
+        self.description = (
+            f"{conv.in_channels}, {conv.out_channels}, kernel_size={conv.kernel_size}"
         )
-        for name, pattern, cls, relu in _FAMILIES
-    ]
+        self.set_weight_from(reference)
+        if self.weight_axis is not None:
+            raise ValueError(
+                "per-channel weights: torch's int8 conv_transpose takes per-tensor weights "
+                "(torch.ao's default mappings give ConvTranspose per-tensor weights)"
+            )
+        self.repack()
+
+    def pack(self):
+        return _TRANSPOSE_OPS[self.dims][0](
+            self.qweight(),
+            self.bias,
+            self.stride,
+            self.padding,
+            self.output_padding,
+            self.dilation,
+            self.groups,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _TRANSPOSE_OPS[self.dims][1](x, self._packed, self.scale, self.zero_point)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.description}, engine={self.engine}, "
+            f"scale={self.scale}, zero_point={self.zero_point}"
+        )
+
+    @classmethod
+    def lower(cls, match: KernelMatch):
+        return cls(_reference(match), match.output, match.engine)

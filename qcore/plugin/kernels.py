@@ -1,9 +1,20 @@
 """The kernel interface plugins implement.
 
-A Kernel names the reference pattern it replaces at convert time. The engine
-(``qcore.engine.lower``) asks each kernel of the chosen backend, in order,
-whether it can take a matched reference pattern, and if so calls
-:meth:`Kernel.lower` to build the replacement module.
+A :class:`Kernel` names the reference pattern it replaces at convert time. The
+engine (``qcore.engine.lower``) walks the reference graph; where a kernel's
+pattern matches, it describes the match (:class:`KernelMatch`: the nodes, their
+modules, the qparams of the quantized inputs and of the output) and calls
+:meth:`Kernel.lower`, which returns either
+
+* a ``torch.nn.Module`` called like the matched root op, with each quantized
+  input given as a torch quantized tensor (dynamic kernels get the float input);
+  it returns a torch quantized tensor, or a float one when its class sets
+  ``returns_quantized = False`` (dynamic and weight-only kernels); or
+* :class:`SameOp`: the matched op itself runs on torch quantized tensors
+  (pooling, relu, shape ops), producing ``SameOp.produces`` qparams.
+
+A kernel that cannot take an instance raises; the engine leaves the pattern in
+reference form and explain shows the error as the reason.
 """
 
 from __future__ import annotations
@@ -11,27 +22,109 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+__all__ = [
+    "ActivationQParams",
+    "DynamicInput",
+    "Kernel",
+    "KernelMatch",
+    "KernelUnavailable",
+    "SameOp",
+]
+
+
+@dataclass(frozen=True)
+class ActivationQParams:
+    """Per-tensor qparams of an activation at a kernel's boundary."""
+
+    scale: float
+    zero_point: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class DynamicInput:
+    """An input quantized on the fly (dynamic quantization) to [quant_min, quant_max]."""
+
+    quant_min: int
+    quant_max: int
+    dtype: torch.dtype
+
+    @property
+    def reduce_range(self) -> bool:
+        """Whether the range is one bit short of the dtype's (fbgemm's overflow guard)."""
+        return self.quant_max - self.quant_min < 255
+
+
+@dataclass(frozen=True)
+class KernelMatch:
+    """One place in a reference graph where a kernel's pattern matched.
+
+    ``nodes`` are the matched op nodes in forward order (``nodes[0]`` is the
+    root, called with the replacement's arguments) and ``modules`` the module
+    each runs (a ``ReferenceModule`` for quantized weighted modules, None for
+    functions and methods). ``inputs`` holds the qparams of the root's quantized
+    tensor inputs in argument order, ``dynamic`` its dynamically quantized ones,
+    ``float_inputs`` how many tensor inputs are neither. ``output`` is what the
+    reference quantizes the result to, None when the result stays float.
+    """
+
+    nodes: tuple
+    modules: tuple
+    inputs: tuple[ActivationQParams, ...]
+    output: ActivationQParams | None
+    dynamic: tuple[DynamicInput, ...] = ()
+    float_inputs: int = 0
+    engine: str = ""
+
+    @property
+    def root(self) -> Any:
+        return self.nodes[0]
+
+    @property
+    def module(self) -> Any:
+        """The root's module (None for a function or method)."""
+        return self.modules[0]
+
+
+@dataclass(frozen=True)
+class SameOp:
+    """The matched op runs unchanged on torch quantized tensors.
+
+    ``produces`` is the qparams torch's op gives its output; where the
+    reference quantizes to other qparams, the engine requantizes (a kernel only
+    says SameOp where that is exact, e.g. max pooling or relu).
+    """
+
+    produces: ActivationQParams
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel does not exist for this engine (e.g. a qnnpack limitation)."""
+
 
 @dataclass(frozen=True)
 class Kernel:
     """A backend's int8 implementation of one reference pattern.
 
-    ``pattern`` uses the same forms as BackendPatternConfig (a module class,
-    a function, or a tuple in forward order); ``engine`` names the packed
-    weight format (e.g. ``"fbgemm"``) the kernel runs on, whatever
+    ``pattern`` is a module class, a function (``torch.add``), a method name
+    (``"reshape"``), or a tuple of those in forward order for a fused chain
+    (``(torch.add, torch.nn.ReLU)``). ``engine`` names the packed weight format
+    (e.g. ``"fbgemm"``) the kernel runs on, whatever
     ``torch.backends.quantized.engine`` says.
 
     Example::
 
         >>> Kernel(name="linear", pattern=torch.nn.Linear, engine="fbgemm",
-        ...        lower=lower_linear)
+        ...        lower=lower_linear)   # lower_linear(match: KernelMatch) -> Module
     """
 
     name: str
     pattern: Any
     engine: str
     lower: Any = field(default=None, compare=False)
-    """Callable building the quantized replacement; its signature is fixed by the engine."""
+    """Callable ``lower(match: KernelMatch) -> torch.nn.Module | SameOp``."""
 
     def __post_init__(self) -> None:
         from qcore.config.errors import invalid
@@ -42,3 +135,8 @@ class Kernel:
             raise invalid("Kernel.engine", self.engine, "a non-empty str such as 'fbgemm'")
         if self.lower is not None and not callable(self.lower):
             raise invalid("Kernel.lower", self.lower, "a callable or None")
+
+    @property
+    def chain(self) -> tuple:
+        """The pattern as a tuple in forward order."""
+        return self.pattern if isinstance(self.pattern, tuple) else (self.pattern,)

@@ -20,12 +20,12 @@ def qcore_backend_pattern_configs(backend):
 
 @hookimpl
 def qcore_backend_kernels(backend):
-    """int8 linear and conv kernels (with relu), packed for the fbgemm engine."""
+    """qcore's int8 kernel library, packed for the fbgemm engine."""
     if backend != BACKEND:
         return None
-    from qcore.kernels import weighted_kernels
+    from qcore.kernels import kernels_for
 
-    return weighted_kernels("fbgemm")
+    return kernels_for("fbgemm")
 
 
 @hookimpl

@@ -1,0 +1,122 @@
+"""Kernels for add and mul (with relu, with a tensor or a scalar), cat and matmul.
+
+``dq(a), dq(b) -> add [-> relu] -> q`` becomes one ``torch.ops.quantized.add``
+(``add_relu``, ``mul``, ``mul_relu``) call on the int8 inputs. With a Python
+number for one operand it becomes ``add_scalar``/``mul_scalar`` (``_relu``):
+torch picks those outputs' qparams itself (mul: the input's scale times the
+scalar, exact; add: the zero point shifted by round(scalar / scale), off by up
+to half a step), so the kernel requantizes to the reference's qparams when
+they differ.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from qcore.kernels.common import OutputKernel, require
+from qcore.plugin.kernels import ActivationQParams, KernelMatch
+
+__all__ = ["QuantizedBinary", "QuantizedCat", "QuantizedMatmul", "QuantizedScalarBinary"]
+
+# Looked up by name: torch's op objects do not pickle, kernel modules must.
+_OPS = {
+    name: getattr(torch.ops.quantized, name)
+    for name in (
+        "add",
+        "add_relu",
+        "mul",
+        "mul_relu",
+        "add_scalar",
+        "add_scalar_relu",
+        "mul_scalar",
+        "mul_scalar_relu",
+    )
+}
+
+
+def _check_binary(match: KernelMatch) -> None:
+    require(match.output is not None, "its output is not quantized")
+    require(match.float_inputs == 0 and not match.dynamic, "an operand is a float tensor")
+    extra = {k: v for k, v in match.root.kwargs.items() if k != "out"}
+    require(not extra and len(match.root.args) == 2, f"takes two operands, got {match.root}")
+
+
+class QuantizedBinary(OutputKernel):
+    """``torch.ops.quantized.{add,mul}[_relu]`` of two int8 tensors."""
+
+    def __init__(self, op: str, relu: bool, output: ActivationQParams) -> None:
+        super().__init__(output)
+        self.op, self.relu = op, relu
+        self.op_name = f"{op}_relu" if relu else op
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return _OPS[self.op_name](a, b, self.scale, self.zero_point)
+
+    def extra_repr(self) -> str:
+        return f"{self.op}{'_relu' if self.relu else ''}, {super().extra_repr()}"
+
+
+class QuantizedScalarBinary(OutputKernel):
+    """``torch.ops.quantized.{add,mul}_scalar[_relu]``, requantized to the output's qparams."""
+
+    def __init__(self, op: str, relu: bool, output: ActivationQParams) -> None:
+        super().__init__(output)
+        self.op, self.relu, self.dtype = op, relu, output.dtype
+        self.op_name = f"{op}_scalar_relu" if relu else f"{op}_scalar"
+
+    def forward(self, a, b) -> torch.Tensor:
+        tensor, scalar = (a, b) if isinstance(a, torch.Tensor) else (b, a)
+        result = _OPS[self.op_name](tensor, scalar)
+        if result.q_scale() != self.scale or result.q_zero_point() != self.zero_point:
+            result = torch.quantize_per_tensor(
+                result.dequantize(), self.scale, self.zero_point, self.dtype
+            )
+        return result
+
+    def extra_repr(self) -> str:
+        return f"{self.op}_scalar{'_relu' if self.relu else ''}, {super().extra_repr()}"
+
+
+def lower_binary(match: KernelMatch, op: str, relu: bool = False):
+    """add/mul of two quantized tensors, or of one and a Python number."""
+    _check_binary(match)
+    if len(match.inputs) == 2:
+        return QuantizedBinary(op, relu, match.output)
+    require(len(match.inputs) == 1, "needs a quantized operand")
+    other = [a for a in match.root.args if not hasattr(a, "op")]
+    require(
+        len(other) == 1 and isinstance(other[0], numbers.Number) and not isinstance(other[0], bool),
+        "the other operand is neither a quantized tensor nor a Python number",
+    )
+    return QuantizedScalarBinary(op, relu, match.output)
+
+
+class QuantizedCat(OutputKernel):
+    """``torch.ops.quantized.cat``: inputs of any qparams, requantized into the output's."""
+
+    def forward(self, tensors, dim: int = 0) -> torch.Tensor:
+        return torch.ops.quantized.cat(list(tensors), dim, self.scale, self.zero_point)
+
+
+def lower_cat(match: KernelMatch):
+    require(match.output is not None, "its output is not quantized")
+    require(match.float_inputs == 0 and match.inputs, "an input tensor is float, not quantized")
+    require(set(match.root.kwargs) <= {"dim"}, f"unexpected arguments {dict(match.root.kwargs)}")
+    dtypes = {q.dtype for q in match.inputs} | {match.output.dtype}
+    require(len(dtypes) == 1, f"inputs and output mix dtypes {sorted(map(str, dtypes))}")
+    return QuantizedCat(match.output)
+
+
+class QuantizedMatmul(OutputKernel):
+    """``torch.ops.quantized.matmul`` of two int8 tensors."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.matmul(a, b, self.scale, self.zero_point)
+
+
+def lower_matmul(match: KernelMatch):
+    _check_binary(match)
+    require(len(match.inputs) == 2, "needs two quantized operands")
+    return QuantizedMatmul(match.output)

@@ -1,0 +1,196 @@
+"""Dynamic kernels: int8 (or fp16) weights, float activations in and out.
+
+Linear becomes ``torch.ops.quantized.linear_dynamic`` (``linear_relu_dynamic``,
+``linear_dynamic_fp16``); LSTM and GRU become ``torch.quantized_lstm`` /
+``torch.quantized_gru`` on cell parameters packed per layer and direction, the
+ops behind torch.ao.nn.quantized.dynamic. int8 kernels quantize their input on
+the fly to the range the reference's dynamic fake-quantize uses (``reduce_range``
+when it is 7-bit, fbgemm's overflow guard).
+
+Rounding that legitimately differs from the reference: the recurrent kernels
+also quantize their hidden state and gate inputs at every step, where the
+reference runs the float cell on dequantized weights; fp16 kernels keep the
+activation in float32, where the reference rounds it to float16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qcore.engine.reference import ReferenceModule, weighted_child
+from qcore.kernels.common import require
+from qcore.kernels.packed import PackedWeights
+from qcore.plugin.kernels import KernelMatch
+
+__all__ = ["DynamicLinear", "DynamicRNN"]
+
+_LINEAR_OPS = {
+    (False, False): torch.ops.quantized.linear_dynamic,
+    (False, True): torch.ops.quantized.linear_relu_dynamic,
+    (True, False): torch.ops.quantized.linear_dynamic_fp16,
+    (True, True): torch.ops.quantized.linear_relu_dynamic_fp16,
+}
+
+
+def _dynamic_reference(match: KernelMatch) -> tuple[ReferenceModule, bool, bool]:
+    """(reference module, fp16 weights?, reduce_range)."""
+    reference = match.module
+    require(isinstance(reference, ReferenceModule), "its weights are not quantized")
+    require(match.output is None, "its output is quantized (a static pattern)")
+    dtypes = {q.dtype for q in reference.weight_qparams.values()}
+    require(len(dtypes) == 1, f"weights mix dtypes {dtypes}")
+    (dtype,) = dtypes
+    if dtype == torch.float16:
+        require(not match.inputs and not match.dynamic, "fp16 weights with a quantized input")
+        return reference, True, False
+    require(dtype == torch.qint8, f"dynamic kernels take qint8 or float16 weights, not {dtype}")
+    require(len(match.dynamic) == 1, "its input is not dynamically quantized")
+    require(
+        all(not q.per_channel for q in reference.weight_qparams.values())
+        or isinstance(weighted_child(reference.module), torch.nn.Linear),
+        "per-channel recurrent weights",
+    )
+    return reference, False, match.dynamic[0].reduce_range
+
+
+class DynamicLinear(PackedWeights):
+    """Dynamically quantized linear (optionally with relu), int8 or fp16 weights."""
+
+    returns_quantized = False
+
+    def __init__(
+        self, reference: ReferenceModule, fp16: bool, reduce_range: bool, relu: bool, engine: str
+    ) -> None:
+        super().__init__(engine)
+        child = weighted_child(reference.module)
+        self.in_features, self.out_features = child.in_features, child.out_features
+        self.fp16, self.reduce_range, self.relu = fp16, reduce_range, relu
+        self.set_weight_from(reference)
+        self.repack()
+
+    def pack(self):
+        if self.fp16:
+            return torch.ops.quantized.linear_prepack_fp16(self.qweight(), self.bias)
+        return torch.ops.quantized.linear_prepack(self.qweight(), self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        op = _LINEAR_OPS[self.fp16, self.relu]
+        if self.fp16:
+            return op(x, self._packed)
+        return op(x, self._packed, self.reduce_range)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"weights={'float16' if self.fp16 else 'qint8'}, relu={self.relu}, "
+            f"reduce_range={self.reduce_range}, engine={self.engine}"
+        )
+
+    @classmethod
+    def lower(cls, match: KernelMatch, relu: bool = False):
+        reference, fp16, reduce_range = _dynamic_reference(match)
+        return cls(reference, fp16, reduce_range, relu, match.engine)
+
+
+class DynamicRNN(PackedWeights):
+    """Dynamically quantized LSTM or GRU (int8 or fp16 weights), nn.LSTM/nn.GRU's interface."""
+
+    returns_quantized = False
+
+    def __init__(self, reference: ReferenceModule, fp16: bool, reduce_range: bool, engine: str):
+        super().__init__(engine)
+        rnn = reference.module
+        require(isinstance(rnn, (torch.nn.LSTM, torch.nn.GRU)), f"not an LSTM/GRU: {type(rnn)}")
+        require(getattr(rnn, "proj_size", 0) == 0, "LSTM with proj_size")
+        self.mode = "LSTM" if isinstance(rnn, torch.nn.LSTM) else "GRU"
+        self.input_size, self.hidden_size = rnn.input_size, rnn.hidden_size
+        self.num_layers, self.bidirectional = rnn.num_layers, rnn.bidirectional
+        self.batch_first, self.has_bias = rnn.batch_first, rnn.bias
+        self.dropout = float(rnn.dropout)
+        self.fp16, self.reduce_range = fp16, reduce_range
+        self.weight_names = list(reference.weight_qparams)
+        for index, name in enumerate(self.weight_names):
+            qparams = reference.weight_qparams[name]
+            require(not qparams.per_channel, "per-channel recurrent weights")
+            self.register_buffer(f"{name}_int", reference.integer_weight(name).clone())
+            self.register_buffer(f"{name}_scale", qparams.scale.detach().double().reshape(-1))
+            self.register_buffer(f"{name}_zero_point", qparams.zero_point.detach().reshape(-1))
+            del index
+        for name, value in rnn.named_parameters():
+            if name.startswith("bias"):
+                self.register_buffer(name, value.detach().float().clone())
+        self.repack()
+
+    def _weight(self, name: str) -> torch.Tensor:
+        integer = getattr(self, f"{name}_int")
+        if self.fp16:
+            return integer.float()
+        return torch._make_per_tensor_quantized_tensor(
+            integer.to(torch.int8),
+            float(getattr(self, f"{name}_scale")[0]),
+            int(getattr(self, f"{name}_zero_point")[0]),
+        )
+
+    def _bias(self, name: str) -> torch.Tensor:
+        gates = 4 if self.mode == "LSTM" else 3
+        value = getattr(self, name, None)
+        return value if value is not None else torch.zeros(gates * self.hidden_size)
+
+    def pack(self):
+        cells = []
+        for layer in range(self.num_layers):
+            for suffix in ("", "_reverse") if self.bidirectional else ("",):
+                w_ih, w_hh = (self._weight(f"weight_{k}_l{layer}{suffix}") for k in ("ih", "hh"))
+                b_ih, b_hh = (self._bias(f"bias_{k}_l{layer}{suffix}") for k in ("ih", "hh"))
+                if self.fp16:
+                    packed_ih = torch.ops.quantized.linear_prepack_fp16(w_ih, b_ih)
+                    packed_hh = torch.ops.quantized.linear_prepack_fp16(w_hh, b_hh)
+                    cells.append(
+                        torch.ops.quantized.make_quantized_cell_params_fp16(packed_ih, packed_hh)
+                    )
+                else:
+                    packed_ih = torch.ops.quantized.linear_prepack(w_ih, b_ih)
+                    packed_hh = torch.ops.quantized.linear_prepack(w_hh, b_hh)
+                    cells.append(
+                        torch.ops.quantized.make_quantized_cell_params_dynamic(
+                            packed_ih, packed_hh, b_ih, b_hh, self.reduce_range
+                        )
+                    )
+        return cells
+
+    def forward(self, x: torch.Tensor, hx=None):
+        if x.dim() != 3:
+            raise ValueError(f"DynamicRNN takes batched input (3 dims), got shape {tuple(x.shape)}")
+        if hx is None:
+            directions = 2 if self.bidirectional else 1
+            batch = x.size(0 if self.batch_first else 1)
+            zeros = torch.zeros(
+                self.num_layers * directions, batch, self.hidden_size, dtype=x.dtype
+            )
+            hx = (zeros, zeros) if self.mode == "LSTM" else zeros
+        common = (
+            self.has_bias,
+            self.num_layers,
+            self.dropout,
+            False,
+            self.bidirectional,
+            self.batch_first,
+        )
+        if self.mode == "LSTM":
+            dtype = torch.float16 if self.fp16 else torch.qint8
+            output, h, c = torch.quantized_lstm(
+                x, hx, self._packed, *common, dtype=dtype, use_dynamic=True
+            )
+            return output, (h, c)
+        return torch.quantized_gru(x, hx, self._packed, *common)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.mode}({self.input_size}, {self.hidden_size}, num_layers={self.num_layers}), "
+            f"weights={'float16' if self.fp16 else 'qint8'}, engine={self.engine}"
+        )
+
+    @classmethod
+    def lower(cls, match: KernelMatch):
+        reference, fp16, reduce_range = _dynamic_reference(match)
+        return cls(reference, fp16, reduce_range, match.engine)

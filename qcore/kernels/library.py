@@ -1,0 +1,168 @@
+"""The full kernel set for one engine: what a plugin registers.
+
+Example (a plugin's hook)::
+
+    @hookimpl
+    def qcore_backend_kernels(backend):
+        return kernels_for("fbgemm") if backend == "fbgemm" else None
+
+Each family lists its patterns (module classes, functions, method names, and
+forward chains for fused relu); ``kernels_for`` names them ``engine.family``.
+Where an engine lacks a kernel (:data:`UNAVAILABLE`), the kernel is still
+registered and refuses with the reason, so explain tells the user why the
+pattern stays in reference form.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import torch
+import torch.ao.nn.intrinsic as nni
+import torch.ao.nn.intrinsic.qat as nniqat
+import torch.nn.functional as F
+
+from qcore.kernels import activations, binary, norms, shape
+from qcore.kernels.dynamic import DynamicLinear, DynamicRNN
+from qcore.kernels.embedding import QuantizedEmbedding, QuantizedEmbeddingBag
+from qcore.kernels.weighted import QuantizedConv, QuantizedConvTranspose, QuantizedLinear
+from qcore.plugin.kernels import Kernel, KernelUnavailable
+
+__all__ = ["ENGINES", "UNAVAILABLE", "families", "kernels_for"]
+
+ENGINES = ("fbgemm", "qnnpack", "x86")
+
+RELU = (torch.nn.ReLU, F.relu, torch.relu, "relu")
+
+_NO_QNNPACK_EMBEDDING = (
+    "qnnpack has no packed embedding kernels (embedding_bag_prepack is fbgemm's)"
+)
+
+#: family -> reason, per engine: torch 2.13 has no such kernel for it.
+UNAVAILABLE: dict[str, dict[str, str]] = {
+    "qnnpack": {
+        "conv_transpose3d": "qnnpack has no int8 conv_transpose3d",
+        "embedding": _NO_QNNPACK_EMBEDDING,
+        "embedding_bag": _NO_QNNPACK_EMBEDDING,
+    },
+}
+
+
+def _with_relu(patterns, relu_patterns=RELU) -> list:
+    return [(p, r) for p in patterns for r in relu_patterns]
+
+
+def families() -> list[tuple[str, list, object]]:
+    """(family name, patterns, lower) in the order kernels are tried."""
+    conv_kinds = []
+    for dims in (1, 2, 3):
+        conv = getattr(torch.nn, f"Conv{dims}d")
+        fused_relu = [getattr(nni, f"ConvReLU{dims}d"), getattr(nniqat, f"ConvReLU{dims}d")]
+        fused_relu += [getattr(nni, f"ConvBnReLU{dims}d"), getattr(nniqat, f"ConvBnReLU{dims}d")]
+        plain = [conv, getattr(nni, f"ConvBn{dims}d"), getattr(nniqat, f"ConvBn{dims}d")]
+        relu = functools.partial(QuantizedConv.lower, relu=True)
+        conv_kinds += [
+            (f"conv{dims}d_relu", fused_relu + _with_relu([conv]), relu),
+            (f"conv{dims}d", plain, QuantizedConv.lower),
+            (
+                f"conv_transpose{dims}d",
+                [getattr(torch.nn, f"ConvTranspose{dims}d")],
+                QuantizedConvTranspose.lower,
+            ),
+        ]
+    add, mul = (operator.add, torch.add), (operator.mul, torch.mul)
+    relu_linear = functools.partial(QuantizedLinear.lower, relu=True)
+    dynamic_relu = functools.partial(DynamicLinear.lower, relu=True)
+    return [
+        ("linear_relu", [nni.LinearReLU, *_with_relu([torch.nn.Linear])], relu_linear),
+        ("linear", [torch.nn.Linear, nni.LinearBn1d, nniqat.LinearBn1d], QuantizedLinear.lower),
+        ("linear_relu_dynamic", [nni.LinearReLU], dynamic_relu),
+        ("linear_dynamic", [torch.nn.Linear], DynamicLinear.lower),
+        *conv_kinds,
+        ("rnn_dynamic", [torch.nn.LSTM, torch.nn.GRU], DynamicRNN.lower),
+        ("embedding", [torch.nn.Embedding], QuantizedEmbedding.lower),
+        ("embedding_bag", [torch.nn.EmbeddingBag], QuantizedEmbeddingBag.lower),
+        ("add_relu", _with_relu(add), functools.partial(binary.lower_binary, op="add", relu=True)),
+        ("add", list(add), functools.partial(binary.lower_binary, op="add")),
+        ("mul_relu", _with_relu(mul), functools.partial(binary.lower_binary, op="mul", relu=True)),
+        ("mul", list(mul), functools.partial(binary.lower_binary, op="mul")),
+        ("cat", [torch.cat], binary.lower_cat),
+        ("matmul", [torch.matmul], binary.lower_matmul),
+        (
+            "batch_norm2d_relu",
+            [nni.BNReLU2d, *_with_relu([torch.nn.BatchNorm2d])],
+            functools.partial(norms.lower_batch_norm, dims=2),
+        ),
+        ("batch_norm2d", [torch.nn.BatchNorm2d], functools.partial(norms.lower_batch_norm, dims=2)),
+        (
+            "batch_norm3d_relu",
+            [nni.BNReLU3d, *_with_relu([torch.nn.BatchNorm3d])],
+            functools.partial(norms.lower_batch_norm, dims=3),
+        ),
+        ("batch_norm3d", [torch.nn.BatchNorm3d], functools.partial(norms.lower_batch_norm, dims=3)),
+        ("layer_norm", [torch.nn.LayerNorm, F.layer_norm], norms.lower_layer_norm),
+        ("group_norm", [torch.nn.GroupNorm, F.group_norm], norms.lower_group_norm),
+        (
+            "instance_norm",
+            [
+                torch.nn.InstanceNorm1d,
+                torch.nn.InstanceNorm2d,
+                torch.nn.InstanceNorm3d,
+                F.instance_norm,
+            ],
+            norms.lower_instance_norm,
+        ),
+        ("hardswish", [torch.nn.Hardswish, F.hardswish], activations.lower_hardswish),
+        ("elu", [torch.nn.ELU, F.elu], activations.lower_elu),
+        ("leaky_relu", [torch.nn.LeakyReLU, F.leaky_relu], activations.lower_leaky_relu),
+        (
+            "sigmoid",
+            [torch.nn.Sigmoid, torch.sigmoid, F.sigmoid, "sigmoid"],
+            functools.partial(activations.lower_fixed_qparams, op="sigmoid"),
+        ),
+        (
+            "tanh",
+            [torch.nn.Tanh, torch.tanh, F.tanh, "tanh"],
+            functools.partial(activations.lower_fixed_qparams, op="tanh"),
+        ),
+        (
+            "hardsigmoid",
+            [torch.nn.Hardsigmoid, F.hardsigmoid, "hardsigmoid"],
+            functools.partial(activations.lower_fixed_qparams, op="hardsigmoid"),
+        ),
+        (
+            "relu",
+            [
+                *RELU,
+                "relu_",
+                torch.nn.ReLU6,
+                F.relu6,
+                torch.nn.Hardtanh,
+                F.hardtanh,
+                torch.clamp,
+                "clamp",
+            ],
+            activations.lower_clamp_like,
+        ),
+        ("pool_and_shape", list(shape.SELECTING_PATTERNS), shape.lower_selecting),
+        ("average", list(shape.AVERAGING_PATTERNS), shape.lower_averaging),
+    ]
+
+
+def _unavailable(reason: str, match):
+    raise KernelUnavailable(reason)
+
+
+def kernels_for(engine: str) -> list[Kernel]:
+    """Every kernel family, packed for ``engine`` (``fbgemm``, ``qnnpack`` or ``x86``)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r}: qcore's kernel library covers {ENGINES}")
+    missing = UNAVAILABLE.get(engine, {})
+    kernels = []
+    for family, patterns, lower in families():
+        if family in missing:
+            lower = functools.partial(_unavailable, missing[family])
+        for pattern in patterns:
+            kernels.append(Kernel(f"{engine}.{family}", pattern, engine, lower))
+    return kernels

@@ -1,0 +1,107 @@
+"""Kernels holding packed weights, and how they survive state_dict and pickling.
+
+torch's packed weights (``LinearPackedParamsBase`` and friends) are opaque
+engine-specific objects. A :class:`PackedWeights` kernel keeps what it packed
+from as ordinary buffers -- the integer weight, its scale and zero point, the
+float bias -- so ``state_dict()`` holds plain tensors, ``load_state_dict``
+re-packs from the loaded ones, and pickling (``torch.save`` of the whole model,
+``copy.deepcopy``) drops the packed object and re-packs on load, for the
+kernel's own engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from qcore.engine.reference import QParams, ReferenceModule, weighted_child
+from qcore.kernels.runtime import TORCH_QUANTIZED_DTYPE, packing_engine, quiet_quantized_tensors
+
+__all__ = ["PackedWeights"]
+
+
+class PackedWeights(torch.nn.Module):
+    """Base class: integer weight + qparams as buffers, packed for ``engine``.
+
+    Subclasses set their fields, call :meth:`set_weight` (or register their own
+    buffers), then :meth:`repack`; they implement :meth:`pack`.
+    """
+
+    returns_quantized = True
+
+    def __init__(self, engine: str) -> None:
+        super().__init__()
+        self.engine = engine
+        self._packed: Any = None
+
+    def set_weight(
+        self, integer: torch.Tensor, qparams: QParams, bias: torch.Tensor | None
+    ) -> None:
+        self.register_buffer("weight_int", integer.detach().clone())
+        self.register_buffer("weight_scale", qparams.scale.detach().double().reshape(-1).clone())
+        zero_point = qparams.zero_point.detach().reshape(-1).clone()
+        if not zero_point.is_floating_point():  # float zero points: embeddings' float qparams
+            zero_point = zero_point.long()
+        self.register_buffer("weight_zero_point", zero_point)
+        self.weight_axis = qparams.axis
+        self.weight_dtype = qparams.dtype
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    def set_weight_from(self, reference: ReferenceModule) -> None:
+        """The (only) weight of a ReferenceModule, and its child's bias."""
+        if len(reference.weight_qparams) != 1:
+            raise ValueError(f"expected one quantized weight, got {list(reference.weight_qparams)}")
+        (name,) = reference.weight_qparams
+        bias = getattr(weighted_child(reference.module), "bias", None)
+        self.set_weight(reference.integer_weight(name), reference.weight_qparams[name], bias)
+
+    def qweight(self) -> torch.Tensor:
+        """The weight as a torch quantized tensor (float16 weights stay float16)."""
+        if self.weight_dtype == torch.float16:
+            return self.weight_int.float()
+        quiet_quantized_tensors()
+        if self.weight_dtype == torch.quint4x2:
+            return self._qweight_4bit()
+        dtype = TORCH_QUANTIZED_DTYPE[self.weight_dtype]
+        if self.weight_axis is not None:
+            return torch._make_per_channel_quantized_tensor(
+                self.weight_int, self.weight_scale, self.weight_zero_point, self.weight_axis
+            )
+        storage = self.weight_int.to(torch.uint8 if dtype == torch.quint8 else torch.int8)
+        return torch._make_per_tensor_quantized_tensor(
+            storage, float(self.weight_scale[0]), int(self.weight_zero_point[0])
+        )
+
+    def _qweight_4bit(self) -> torch.Tensor:
+        """quint4x2 packs two values a byte: quantize the dequantized weight again."""
+        from qcore import ops
+
+        if self.weight_axis is None:
+            raise ValueError("4-bit weights are quantized per channel (embedding rows)")
+        args = (self.weight_scale, self.weight_zero_point, self.weight_axis, 0, 15, torch.quint4x2)
+        dequantized = ops.dequantize_per_channel(self.weight_int, *args)
+        return torch.quantize_per_channel(
+            dequantized, self.weight_scale, self.weight_zero_point, self.weight_axis, torch.quint4x2
+        )
+
+    def pack(self) -> Any:
+        """The packed object for the current engine (called inside packing_engine)."""
+        raise NotImplementedError
+
+    def repack(self) -> None:
+        with packing_engine(self.engine):
+            self._packed = self.pack()
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self.repack()
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_packed"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.repack()
