@@ -60,6 +60,11 @@ _LAZY = {
     "FixedQParamsQuantizationSpec": "qcore.quantizer",
     "DerivedQuantizationSpec": "qcore.quantizer",
     "QuantizationAnnotation": "qcore.quantizer",
+    "sync_observers": "qcore.distributed",
+    "SyncResult": "qcore.distributed",
+    "ObserverSyncError": "qcore.distributed",
+    "ObserverMismatchError": "qcore.distributed",
+    "RankTimeoutError": "qcore.distributed",
 }
 
 
