@@ -1,0 +1,420 @@
+"""sync_observers: calibration split over two gloo processes on localhost (issue 7).
+
+Two processes each calibrate on half of the data, then merge their observers:
+min/max observers end exactly where one process calibrating on all the data
+ends, histograms within one bin width, moving averages at the batch-weighted
+mean of the two halves' averages; the converted models are identical on both
+ranks. Faults (different models, another backend, a rank that never joins)
+are errors on the ranks that called, naming the rank and the observer, and the
+model is left as it was.
+
+All scenarios run in two spawned groups of two processes (one for everything
+that leaves the process group usable, one for the never-joining rank), each
+joined with a deadline and killed if it overruns.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import socket
+import time
+import traceback
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import qcore
+from qcore.observers import (
+    HistogramObserver,
+    MinMaxObserver,
+    MovingAverageMinMaxObserver,
+    default_per_channel_weight_observer,
+)
+
+pytest.importorskip("qcore_fbgemm", reason="needs the fbgemm plugin")
+pytest.importorskip("qcore_qnnpack", reason="needs the qnnpack plugin")
+if not dist.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+WORLD = 2
+BATCHES = 8
+SPLIT = 3  # rank 0 calibrates on batches [0, 3), rank 1 on [3, 8): unequal weights
+GROUP_DEADLINE = 60.0  # seconds for one spawned group, then its processes are killed
+FAULT_TIMEOUT = datetime.timedelta(seconds=5)
+
+
+class Net(nn.Module):
+    def __init__(self, extra: bool = False) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU()
+        self.fc1 = nn.Linear(8 * 6 * 6, 32)
+        self.fc2 = nn.Linear(32, 10)
+        self.extra = nn.Linear(10, 10) if extra else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.bn(self.conv(x)))
+        x = self.fc2(torch.relu(self.fc1(torch.flatten(x, 1))))
+        return self.extra(x) if self.extra is not None else x
+
+
+def make_model(extra: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    return Net(extra).eval()
+
+
+def data() -> list[torch.Tensor]:
+    """Batches whose ranges differ (scaled and shifted), so that both halves matter."""
+    generator = torch.Generator().manual_seed(1)
+    return [
+        torch.randn(4, 3, 6, 6, generator=generator) * (1 + i / 2) + (i % 3 - 1)
+        for i in range(BATCHES)
+    ]
+
+
+def held_out() -> torch.Tensor:
+    return torch.randn(16, 3, 6, 6, generator=torch.Generator().manual_seed(2)) * 2
+
+
+def shard(rank: int) -> list[torch.Tensor]:
+    return data()[:SPLIT] if rank == 0 else data()[SPLIT:]
+
+
+def mapping(kind: str):
+    if kind == "histogram":
+        return qcore.get_default_qconfig_mapping("fbgemm")
+    if kind == "qnnpack":
+        return qcore.get_default_qconfig_mapping("qnnpack")
+    if kind == "qat":
+        return qcore.get_default_qat_qconfig_mapping("fbgemm")
+    activation = {
+        "minmax": MinMaxObserver.with_args(reduce_range=True),
+        "moving": MovingAverageMinMaxObserver.with_args(averaging_constant=0.3, reduce_range=True),
+    }[kind]
+    return qcore.QConfigMapping().set_global(
+        qcore.QConfig(activation=activation, weight=default_per_channel_weight_observer)
+    )
+
+
+def prepare(kind: str, extra: bool = False) -> nn.Module:
+    model = make_model(extra)
+    example = (torch.randn(1, 3, 6, 6),)
+    if kind == "qat":
+        # calibrated in eval mode: BatchNorm's running statistics stay those of the
+        # float model (they are not observers; DDP's SyncBatchNorm is their business)
+        prepared = qcore.prepare_qat_fx(model.train(), mapping(kind), example, backend="fbgemm")
+        return prepared.eval()
+    backend = "qnnpack" if kind == "qnnpack" else "fbgemm"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qcore.QCoreWarning)  # an op left in float
+        return qcore.prepare_fx(model, mapping(kind), example, backend=backend)
+
+
+def calibrate(prepared: nn.Module, batches: list[torch.Tensor]) -> nn.Module:
+    with torch.no_grad():
+        for batch in batches:
+            prepared(batch)
+    return prepared
+
+
+def convert(prepared: nn.Module) -> nn.Module:
+    prepared = copy.deepcopy(prepared)
+    if isinstance(prepared, nn.Module):
+        prepared.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return qcore.convert_fx(prepared)
+
+
+def observer_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every observer's and fake quant's buffers, persistent or not."""
+    return {
+        name: buffer.clone()
+        for name, buffer in model.named_buffers()
+        if "activation_post_process" in name or "fake_quant" in name
+    }
+
+
+# -- the workers ------------------------------------------------------------------------
+
+
+def _init(rank: int, port: int) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=30),
+    )
+
+
+def _catch(results: dict, key: str, fn) -> None:
+    try:
+        results[key] = fn()
+    except Exception as error:  # reported by the test that reads this key
+        results[key] = {"error": error, "traceback": traceback.format_exc()}
+
+
+def _calibrate_and_sync(rank: int, kind: str) -> dict:
+    prepared = calibrate(prepare(kind), shard(rank))
+    result = qcore.sync_observers(prepared, timeout=datetime.timedelta(seconds=20))
+    return {
+        "state": observer_state(prepared),
+        "output": convert(prepared)(held_out()),
+        "kinds": result.kinds,
+    }
+
+
+def _mismatch(rank: int, kind_of_rank: dict, extra_on_rank: int | None) -> dict:
+    kind = kind_of_rank.get(rank, "histogram")
+    prepared = calibrate(prepare(kind, extra=rank == extra_on_rank), shard(rank))
+    before = observer_state(prepared)
+    try:
+        qcore.sync_observers(prepared, timeout=FAULT_TIMEOUT)
+    except qcore.ObserverSyncError as error:
+        after = observer_state(prepared)
+        unchanged = before.keys() == after.keys() and all(
+            torch.equal(before[k], after[k]) for k in before
+        )
+        return {"error": error, "unchanged": unchanged}
+    return {"error": None}
+
+
+def _worker(rank: int, port: int, outdir: str) -> None:
+    _init(rank, port)
+    results: dict = {}
+    for kind in ("minmax", "histogram", "moving", "qat"):
+        _catch(results, kind, lambda kind=kind: _calibrate_and_sync(rank, kind))
+    _catch(results, "other model", lambda: _mismatch(rank, {}, extra_on_rank=1))
+    _catch(results, "other backend", lambda: _mismatch(rank, {1: "qnnpack"}, extra_on_rank=None))
+    torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _absent_worker(rank: int, port: int, outdir: str) -> None:
+    """Rank 1 never calls sync_observers; rank 0 must fail within the timeout."""
+    _init(rank, port)
+    results: dict = {}
+    if rank == 0:
+        prepared = calibrate(prepare("histogram"), shard(rank))
+        before = observer_state(prepared)
+        started = time.monotonic()
+        try:
+            qcore.sync_observers(prepared, timeout=FAULT_TIMEOUT)
+            results["error"] = None
+        except qcore.ObserverSyncError as error:
+            results["error"] = error
+        results["seconds"] = time.monotonic() - started
+        after = observer_state(prepared)
+        results["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+        open(os.path.join(outdir, "done"), "w").close()
+    else:
+        deadline = time.monotonic() + GROUP_DEADLINE
+        while not os.path.exists(os.path.join(outdir, "done")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
+    # rank 0 has an unfinished receive: leave without destroying the process group
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawn(worker, outdir) -> list[dict]:
+    context = mp.start_processes(
+        worker, args=(_free_port(), str(outdir)), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + GROUP_DEADLINE
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"workers did not finish within {GROUP_DEADLINE} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+    return [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    return _spawn(_worker, tmp_path_factory.mktemp("sync"))
+
+
+def result_of(ranks: list[dict], key: str) -> list[dict]:
+    for rank, results in enumerate(ranks):
+        value = results[key]
+        if isinstance(value, dict) and "traceback" in value:
+            pytest.fail(f"rank {rank}, scenario {key!r}:\n{value['traceback']}")
+    return [results[key] for results in ranks]
+
+
+def single_process(kind: str) -> nn.Module:
+    return calibrate(prepare(kind), data())
+
+
+def assert_same_on_every_rank(results: list[dict]) -> None:
+    first = results[0]
+    for rank, other in enumerate(results[1:], start=1):
+        assert first["state"].keys() == other["state"].keys()
+        for name, value in first["state"].items():
+            assert torch.equal(value, other["state"][name]), f"rank {rank} differs at {name}"
+        assert torch.equal(first["output"], other["output"]), f"rank {rank}'s model differs"
+
+
+# -- correctness ------------------------------------------------------------------------
+
+
+def test_min_max_equals_one_process_on_all_data(ranks):
+    results = result_of(ranks, "minmax")
+    assert_same_on_every_rank(results)
+    assert set(results[0]["kinds"].values()) == {"min/max"}
+    reference = single_process("minmax")
+    expected = observer_state(reference)
+    assert expected.keys() == results[0]["state"].keys()
+    for name, value in expected.items():
+        assert torch.equal(results[0]["state"][name], value), name
+    assert torch.equal(results[0]["output"], convert(reference)(held_out()))
+
+
+def _range(state: dict, name: str) -> tuple[float, float, float]:
+    observer = HistogramObserver()
+    observer.histogram.resize_(state[f"{name}.histogram"].shape)
+    observer.load_state_dict(
+        {key: state[f"{name}.{key}"] for key in ("eps", "histogram", "min_val", "max_val")}
+    )
+    lo, hi = observer._non_linear_param_search()
+    width = float(observer.max_val - observer.min_val) / observer.bins
+    return float(lo), float(hi), width
+
+
+def test_histograms_within_one_bin_of_one_process(ranks):
+    results = result_of(ranks, "histogram")
+    assert_same_on_every_rank(results)
+    assert "histogram" in results[0]["kinds"].values()
+    reference = single_process("histogram")
+    expected = observer_state(reference)
+    names = {key.rsplit(".", 1)[0] for key in expected if key.endswith(".histogram")}
+    assert len(names) >= 3
+    state = results[0]["state"]
+    for name in sorted(names):
+        for buffer in ("min_val", "max_val"):  # the union of the ranges: exact
+            assert torch.equal(state[f"{name}.{buffer}"], expected[f"{name}.{buffer}"])
+        merged_total = state[f"{name}.histogram"].sum()
+        assert torch.allclose(merged_total, expected[f"{name}.histogram"].sum())
+        lo, hi, width = _range(state, name)
+        ref_lo, ref_hi, ref_width = _range(expected, name)
+        assert width == pytest.approx(ref_width)
+        assert abs(lo - ref_lo) <= width and abs(hi - ref_hi) <= width, (
+            f"{name}: merged range [{lo}, {hi}], one process [{ref_lo}, {ref_hi}], bin {width}"
+        )
+    ours, theirs = results[0]["output"], convert(reference)(held_out())
+    step = (theirs.max() - theirs.min()) / 255  # the output's quantization step
+    assert (ours - theirs).abs().max() <= step + 1e-6
+
+
+def _expected_moving_average(kind: str) -> nn.Module:
+    """One process: each half calibrated separately, then the batch-weighted mean."""
+    halves = [calibrate(prepare(kind), shard(rank)) for rank in range(WORLD)]
+    merged = halves[0]
+    modules = [dict(half.named_modules()) for half in halves]
+    for name, module in merged.named_modules():
+        if not hasattr(module, "batches_observed"):
+            continue
+        counts = [float(m[name].batches_observed) for m in modules]
+        for buffer in ("min_val", "max_val"):
+            total = sum(
+                n * getattr(m[name], buffer).double() for n, m in zip(counts, modules, strict=True)
+            )
+            getattr(module, buffer).copy_(total / sum(counts))
+        module.batches_observed.fill_(int(sum(counts)))
+    return merged
+
+
+def test_moving_averages_are_batch_weighted_means(ranks):
+    results = result_of(ranks, "moving")
+    assert_same_on_every_rank(results)
+    assert "moving average" in results[0]["kinds"].values()
+    expected = _expected_moving_average("moving")
+    state = results[0]["state"]
+    for name, value in observer_state(expected).items():
+        assert torch.equal(state[name], value), name
+    # every observer counted as many tensors as one process on all the data
+    counts = {k: v for k, v in observer_state(single_process("moving")).items()}
+    counts = {k: v for k, v in counts.items() if k.endswith("batches_observed")}
+    assert counts and all(torch.equal(state[k], v) for k, v in counts.items())
+    assert torch.equal(results[0]["output"], convert(expected)(held_out()))
+
+
+def test_qat_fake_quants_merged_and_qparams_recomputed(ranks):
+    results = result_of(ranks, "qat")
+    assert_same_on_every_rank(results)
+    assert "fake quant" in results[0]["kinds"].values()
+    expected = _expected_moving_average("qat")
+    state = results[0]["state"]
+    for name, module in expected.named_modules():
+        if not hasattr(module, "activation_post_process") or not hasattr(module, "scale"):
+            continue
+        scale, zero_point = module.activation_post_process.calculate_qparams()
+        assert torch.equal(state[f"{name}.scale"], scale), name
+        assert torch.equal(state[f"{name}.zero_point"], zero_point.to(torch.int32)), name
+        for buffer in ("min_val", "max_val"):
+            key = f"{name}.activation_post_process.{buffer}"
+            assert torch.equal(state[key], getattr(module.activation_post_process, buffer)), key
+    # the expected model's fake quants take the merged qparams, then convert
+    for name, module in expected.named_modules():
+        if f"{name}.scale" in state and hasattr(module, "activation_post_process"):
+            module.scale.resize_(state[f"{name}.scale"].shape).copy_(state[f"{name}.scale"])
+            zp = state[f"{name}.zero_point"]
+            module.zero_point.resize_(zp.shape).copy_(zp)
+    assert torch.equal(results[0]["output"], convert(expected)(held_out()))
+
+
+# -- faults ---------------------------------------------------------------------------------
+
+
+def test_another_model_is_an_error_naming_rank_and_observer(ranks):
+    for rank, outcome in enumerate(result_of(ranks, "other model")):
+        error = outcome["error"]
+        assert isinstance(error, qcore.ObserverMismatchError), f"rank {rank}: {error!r}"
+        assert error.rank == 1
+        assert error.observer.startswith("activation_post_process_")
+        assert "rank 1" in str(error) and repr(error.observer) in str(error)
+        assert outcome["unchanged"], f"rank {rank}'s observers changed"
+
+
+def test_another_backend_is_an_error_naming_rank_and_observer(ranks):
+    for rank, outcome in enumerate(result_of(ranks, "other backend")):
+        error = outcome["error"]
+        assert isinstance(error, qcore.ObserverMismatchError), f"rank {rank}: {error!r}"
+        assert error.rank == 1 and error.observer == "activation_post_process_0"
+        assert "quant_max=127" in str(error) and "quant_max=255" in str(error)
+        assert outcome["unchanged"], f"rank {rank}'s observers changed"
+
+
+def test_rank_that_never_joins_is_named_within_the_timeout(tmp_path):
+    results = _spawn(_absent_worker, tmp_path)[0]
+    error = results["error"]
+    assert isinstance(error, qcore.RankTimeoutError), repr(error)
+    assert error.ranks == [1] and "rank(s) 1 of 2 did not join" in str(error)
+    timeout = FAULT_TIMEOUT.total_seconds()
+    assert timeout - 0.5 <= results["seconds"] <= timeout + 5
+    assert results["unchanged"]
+
+
+def test_without_a_process_group_is_a_clear_error():
+    prepared = calibrate(prepare("minmax"), shard(0))
+    with pytest.raises(qcore.ObserverSyncError, match="init_process_group"):
+        qcore.sync_observers(prepared)
