@@ -56,8 +56,10 @@ def qparams_of(observer: Any, *, full_range: bool = False) -> QParams:
     ``full_range`` clamps with the dtype's whole range (torch.ao FX semantics)
     instead of the observer's quant_min/quant_max.
     """
-    scale, zero_point = observer.calculate_qparams()
     dtype = observer.dtype
+    if dtype == torch.float16:  # fp16 weights (dynamic fp16): a cast, no scale or zero point
+        return QParams(torch.ones(1), torch.zeros(1, dtype=torch.long), dtype, 0, 0)
+    scale, zero_point = observer.calculate_qparams()
     qscheme = getattr(observer, "qscheme", torch.per_tensor_affine)
     if full_range or getattr(observer, "quant_min", None) is None:
         quant_min, quant_max = _dtype_range(dtype)
