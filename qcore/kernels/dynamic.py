@@ -20,7 +20,7 @@ import torch
 from qcore.engine.reference import ReferenceModule, weighted_child
 from qcore.kernels.common import require
 from qcore.kernels.packed import PackedWeights
-from qcore.plugin.kernels import KernelMatch
+from qcore.plugin.kernels import KernelMatch, KernelUnavailable
 
 __all__ = ["DynamicLinear", "DynamicRNN"]
 
@@ -42,6 +42,8 @@ def _dynamic_reference(match: KernelMatch) -> tuple[ReferenceModule, bool, bool]
     (dtype,) = dtypes
     if dtype == torch.float16:
         require(not match.inputs and not match.dynamic, "fp16 weights with a quantized input")
+        if match.engine == "qnnpack":
+            raise KernelUnavailable("qnnpack has no fp16 packed linear (linear_prepack_fp16)")
         return reference, True, False
     require(dtype == torch.qint8, f"dynamic kernels take qint8 or float16 weights, not {dtype}")
     require(len(match.dynamic) == 1, "its input is not dynamically quantized")
@@ -109,13 +111,12 @@ class DynamicRNN(PackedWeights):
         self.dropout = float(rnn.dropout)
         self.fp16, self.reduce_range = fp16, reduce_range
         self.weight_names = list(reference.weight_qparams)
-        for index, name in enumerate(self.weight_names):
+        for name in self.weight_names:
             qparams = reference.weight_qparams[name]
             require(not qparams.per_channel, "per-channel recurrent weights")
             self.register_buffer(f"{name}_int", reference.integer_weight(name).clone())
             self.register_buffer(f"{name}_scale", qparams.scale.detach().double().reshape(-1))
             self.register_buffer(f"{name}_zero_point", qparams.zero_point.detach().reshape(-1))
-            del index
         for name, value in rnn.named_parameters():
             if name.startswith("bias"):
                 self.register_buffer(name, value.detach().float().clone())

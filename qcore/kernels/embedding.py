@@ -14,7 +14,8 @@ from qcore.plugin.kernels import KernelMatch
 
 __all__ = ["QuantizedEmbedding", "QuantizedEmbeddingBag"]
 
-_MODES = {"sum": 0, "mean": 1}
+# torch 2.13's embedding_bag_byte/_4bit sum whatever mode they are given.
+_MODES = {"sum": 0}
 
 
 def _check(match: KernelMatch, kind: type) -> ReferenceModule:
@@ -62,14 +63,17 @@ class QuantizedEmbedding(PackedWeights):
 
 
 class QuantizedEmbeddingBag(PackedWeights):
-    """nn.EmbeddingBag (sum or mean) on 8-bit or 4-bit rows."""
+    """nn.EmbeddingBag (mode="sum") on 8-bit or 4-bit rows."""
 
     returns_quantized = False
 
     def __init__(self, reference: ReferenceModule, engine: str) -> None:
         super().__init__(engine)
         module = reference.module
-        require(module.mode in _MODES, f"mode {module.mode!r} (int8 kernels: sum, mean)")
+        require(
+            module.mode in _MODES,
+            f"mode {module.mode!r}: torch's int8 embedding_bag kernels only sum",
+        )
         require(module.padding_idx is None, "padding_idx")
         self.num_embeddings, self.embedding_dim = module.num_embeddings, module.embedding_dim
         self.mode, self.include_last_offset = module.mode, module.include_last_offset

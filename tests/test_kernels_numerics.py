@@ -1,0 +1,93 @@
+"""Every kernel against the reference form, on each backend's own engine.
+
+For each case of ``kernel_cases`` (one op or fused chain per model) and each
+backend: the converted model runs the expected kernel (or, where the engine
+has none, stays in reference form and explain gives the reason), and its
+output agrees with ``convert_to_reference_fx``'s within one quantization step
+of the output (plus float rounding).
+
+Legitimate differences, bounded differently:
+* dynamic linear: float output; the kernel quantizes its input on the fly like
+  the reference, so the outputs agree to float rounding (1e-4 relative).
+* dynamic LSTM/GRU: the kernels also quantize the hidden state at every step
+  where the reference runs the float cell; the bound is an SQNR of 30 dB.
+* embeddings (weight-only): the same dequantized rows; float rounding.
+"""
+
+import math
+
+import pytest
+import torch
+from kernel_cases import BACKENDS, CASES, build, output_scale
+
+import qcore
+from qcore.kernels import UNAVAILABLE
+
+pytest.importorskip("qcore_fbgemm")
+
+
+def _first(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _sqnr(reference, actual) -> float:
+    noise = (reference - actual).norm().item()
+    return math.inf if noise == 0 else 20 * math.log10(reference.norm().item() / noise)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_kernel_matches_reference(name, backend):
+    case = CASES[name]
+    built = build(case, backend)
+    report = qcore.explain(built.converted)
+    kernel = f"{backend}.{case.family}"
+    unavailable = UNAVAILABLE.get(backend, {}).get(case.family)
+    used = {entry.kernel for entry in report.quantized}
+    if unavailable is not None:
+        assert kernel not in used
+        reasons = " ".join(entry.reason for entry in report.reference)
+        assert unavailable in reasons, reasons
+    elif case.mapping == "fp16" and backend == "qnnpack":
+        assert "qnnpack has no fp16 packed linear" in " ".join(e.reason for e in report.reference)
+    else:
+        assert kernel in used, str(report)
+    with torch.no_grad():
+        actual = _first(built.converted(*built.inputs))
+        expected = _first(built.reference(*built.inputs))
+    assert actual.shape == expected.shape and not actual.is_quantized
+    if case.family == "rnn_dynamic":
+        assert _sqnr(expected, actual) > 30
+    elif case.mapping != "default":
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+    else:
+        step = output_scale(built.reference)
+        worst = (actual - expected).abs().max().item()
+        assert worst <= step * (1 + 1e-4), f"{worst / step:.3f} steps"
+
+
+def test_averaging_op_with_its_own_output_qparams_stays_in_reference_form():
+    """avg pooling keeps its input's qparams in torch's kernel: a reference asking for
+    other output qparams is not lowered (it would round twice), and explain says why."""
+    from kernel_cases import Case
+
+    case = Case(lambda: torch.nn.AdaptiveAvgPool2d(1), ((2, 3, 4, 4),), "average")
+    built = build(case, "fbgemm")
+    report = qcore.explain(built.converted)
+    (entry,) = [e for e in report.ops if e.op == "AdaptiveAvgPool2d"]
+    if entry.status.value == "reference":
+        assert "differ from the input's" in entry.reason
+    with torch.no_grad():
+        worst = (built.converted(*built.inputs) - built.reference(*built.inputs)).abs().max()
+    assert worst <= output_scale(built.reference) * (1 + 1e-4)
+
+
+def test_kernel_library_covers_every_engine():
+    from qcore.kernels import kernels_for
+
+    for engine in BACKENDS:
+        kernels = kernels_for(engine)
+        assert {k.engine for k in kernels} == {engine}
+        assert all(k.name.startswith(engine + ".") for k in kernels)
+    with pytest.raises(ValueError, match="covers"):
+        kernels_for("mychip")
