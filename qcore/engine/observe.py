@@ -242,16 +242,17 @@ def _rewire(gm: GraphModule, plan: ObserverPlan, position: dict[Node, int]) -> N
                 inserted[key] = graph.call_module(name, (producer,))
         return inserted[key]
 
+    edge_users: dict[Node, set[Node]] = {}  # producer -> users with an edge observer
+    for point in plan.observer_of_point:
+        if isinstance(point, tuple):
+            edge_users.setdefault(point[0], set()).add(point[1])
     # Node outputs first: their observer replaces the producer for every user
     # that has no edge observer of its own.
     for point, name in plan.observer_of_point.items():
         if isinstance(point, Node):
             obs_node = observed(name, point)
-            edge_users = {
-                p[1] for p in plan.observer_of_point if isinstance(p, tuple) and p[0] is point
-            }
             for user in list(point.users):
-                if user is not obs_node and user not in edge_users:
+                if user is not obs_node and user not in edge_users.get(point, ()):
                     user.replace_input_with(point, obs_node)
     for point, name in plan.observer_of_point.items():
         if isinstance(point, tuple):
