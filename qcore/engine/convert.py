@@ -20,6 +20,7 @@ from qcore.engine.explain import REPORT_KEY, Entry, Report, Status
 from qcore.engine.observe import DerivedObserver
 from qcore.engine.prepare import STATE_KEY, PreparedState
 from qcore.engine.reference import QParams, ReferenceModule, qparams_of, weight_names
+from qcore.engine.trace import delete_unused_submodules
 
 __all__ = ["convert_to_reference", "state_of"]
 
@@ -146,7 +147,7 @@ def convert_to_reference(prepared: GraphModule, *, full_range: bool = True) -> G
         if node.op == "call_module" and node.target in observer_names:
             _replace_observer(gm, node, modules[node.target], full_range)
     gm.graph.eliminate_dead_code()
-    gm.delete_all_unused_submodules()
+    delete_unused_submodules(gm)
     gm.recompile()
     report: Report = gm.meta[REPORT_KEY]
     names = {node.name for node in gm.graph.nodes}

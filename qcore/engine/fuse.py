@@ -18,6 +18,7 @@ from torch.fx import GraphModule, Node
 
 from qcore.config import BackendConfig
 from qcore.engine.match import find_matches
+from qcore.engine.trace import delete_unused_submodules
 
 __all__ = ["fuse_graph", "fusion_rules"]
 
@@ -102,6 +103,6 @@ def fuse_graph(
         called = {node.target for node in gm.graph.nodes if node.op == "call_module"}
         for target in sorted(fused_away - called):
             _delete_module(gm, target)
-        gm.delete_all_unused_submodules()
+        delete_unused_submodules(gm)
         gm.recompile()
     return count

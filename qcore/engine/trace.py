@@ -18,7 +18,13 @@ from torch.fx import GraphModule, Tracer
 
 from qcore.config.errors import describe
 
-__all__ = ["CustomConfig", "TraceFailure", "as_custom_config", "trace"]
+__all__ = [
+    "CustomConfig",
+    "TraceFailure",
+    "as_custom_config",
+    "delete_unused_submodules",
+    "trace",
+]
 
 
 class TraceFailure(RuntimeError):
@@ -117,3 +123,25 @@ def trace(model: torch.nn.Module, custom_config: CustomConfig) -> GraphModule:
             f"or {{'non_traceable_module_class': [{cls.__name__}]}}"
         ) from error
     return GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def delete_unused_submodules(gm: GraphModule) -> None:
+    """``GraphModule.delete_all_unused_submodules`` in linear time.
+
+    torch's version checks each module name against a list of used names, which
+    is quadratic in the number of modules (0.15 s per call at 1600 blocks).
+    """
+    used: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op not in ("call_module", "get_attr"):
+            continue
+        parts = node.target.split(".")
+        used.update(".".join(parts[: i + 1]) for i in range(len(parts)))
+        if node.op == "call_module":
+            try:
+                module = gm.get_submodule(node.target)
+            except AttributeError:
+                continue
+            used.update(f"{node.target}.{name}" for name, _ in module.named_modules() if name)
+    for name in [name for name, _ in gm.named_modules() if name and name not in used]:
+        gm.delete_submodule(name)
