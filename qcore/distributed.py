@@ -177,24 +177,28 @@ def _describe(entry: list) -> str:
 # -- finding the observers ------------------------------------------------------------
 
 
+# Attribute lookups go through the instance and class dicts: nn.Module.__getattr__
+# raising AttributeError for each absent attribute costs more than the merge itself
+# on models with thousands of modules.
+
+
 def _is_fake_quant(module: nn.Module) -> bool:
     return (
-        isinstance(getattr(module, "activation_post_process", None), nn.Module)
-        and hasattr(module, "scale")
-        and hasattr(module, "zero_point")
+        module._modules.get("activation_post_process") is not None
+        and "scale" in module._buffers
+        and "zero_point" in module._buffers
     )
 
 
 def _is_observer(name: str, module: nn.Module) -> bool:
-    return hasattr(module, "calculate_qparams") or name.rsplit(".", 1)[-1].startswith(
+    return hasattr(type(module), "calculate_qparams") or name.rsplit(".", 1)[-1].startswith(
         _OBSERVER_PREFIX
     )
 
 
 def _settings(module: nn.Module) -> str:
-    return ", ".join(
-        f"{attr}={getattr(module, attr)}" for attr in _SETTINGS if hasattr(module, attr)
-    )
+    attrs = vars(module)
+    return ", ".join(f"{attr}={attrs[attr]}" for attr in _SETTINGS if attr in attrs)
 
 
 def _collect(model: nn.Module) -> tuple[list[_Observer], str | None]:
@@ -202,27 +206,26 @@ def _collect(model: nn.Module) -> tuple[list[_Observer], str | None]:
     problem that prevents merging them (reported on every rank)."""
     found: list[_Observer] = []
     for name, module in model.named_modules():
+        buffers = {n: b for n, b in module._buffers.items() if b is not None}
         if _is_fake_quant(module):
             kind = FAKE_QUANT
         elif _is_observer(name, module):
-            buffers = {n for n, _ in module.named_buffers(recurse=False)}
-            if {"histogram", "min_val", "max_val"} <= buffers:
+            if {"histogram", "min_val", "max_val"} <= buffers.keys():
                 kind = HISTOGRAM
-            elif {"min_val", "max_val"} <= buffers:
-                kind = MOVING_AVERAGE if hasattr(module, "averaging_constant") else MINMAX
+            elif {"min_val", "max_val"} <= buffers.keys():
+                kind = MOVING_AVERAGE if "averaging_constant" in vars(module) else MINMAX
             else:
                 kind = NO_STATISTICS
         else:
             continue
-        buffers = dict(module.named_buffers(recurse=False))
-        unknown = set(buffers) - _SETTINGS_BUFFERS - set(_STATISTICS_BUFFERS.get(kind, ()))
+        stats = _STATISTICS_BUFFERS.get(kind, ())
+        unknown = set(buffers) - _SETTINGS_BUFFERS - set(stats)
         if unknown:
             return found, (
                 f"cannot merge observer {name!r} ({type(module).__name__}): it keeps "
                 f"buffers {sorted(unknown)} that sync_observers does not know how to merge "
                 "(it merges min_val/max_val, and histogram with min_val/max_val)"
             )
-        stats = _STATISTICS_BUFFERS.get(kind, ())
         shapes = [list(buffers[b].shape) for b in stats]
         found.append(_Observer(name or "<model>", module, kind, _settings(module), shapes))
     return found, None
@@ -363,40 +366,44 @@ def _is_observed(min_val: torch.Tensor, max_val: torch.Tensor) -> bool:
     return not bool((min_val == math.inf).all() and (max_val == -math.inf).all())
 
 
-def _agreed_numel(name: str, payloads: list[dict]) -> int:
+def _agreed_sizes(payloads: list[dict]) -> dict[str, int]:
+    """Each observer's statistics size: the first non-empty one among the ranks (an
+    unobserved per-channel observer has empty buffers); 0 if empty everywhere."""
+    sizes: dict[str, int] = {}
     for payload in payloads:
         for entry in payload["observers"]:
-            if entry[0] == name and math.prod(entry[4][0]) > 0:
-                return math.prod(entry[4][0])
-    return 0
+            if entry[4] and not sizes.get(entry[0]):
+                sizes[entry[0]] = math.prod(entry[4][0])
+    return sizes
 
 
 def _merge_min_max(
-    observers: list[_Observer], payloads: list[dict], comm: _Comm
+    observers: list[_Observer], sizes: dict[str, int], comm: _Comm
 ) -> dict[str, tuple]:
     """One all_reduce(MIN) over [minima, -maxima] of every min/max observer."""
     parts, layout = [], []
     for obs in observers:
-        numel = _agreed_numel(obs.name, payloads)
+        numel = sizes.get(obs.name, 0)
         if numel == 0:
             continue  # observed nowhere
         lo, hi = obs.module.min_val.detach(), obs.module.max_val.detach()
         if lo.numel() == 0:
             lo = torch.full((numel,), math.inf)
             hi = torch.full((numel,), -math.inf)
-        parts.append(lo.reshape(-1).double().to(comm.device))
-        parts.append(-hi.reshape(-1).double().to(comm.device))
+        parts.append(lo.reshape(-1))
+        parts.append(-hi.reshape(-1))
         layout.append((obs, numel))
     if not layout:
         return {}
-    packed = comm.all_reduce(torch.cat(parts), dist.ReduceOp.MIN, "reducing min/max")
+    packed = torch.cat([p.to(torch.float64) for p in parts]).to(comm.device)
+    packed = comm.all_reduce(packed, dist.ReduceOp.MIN, "reducing min/max").cpu()
     merged, offset = {}, 0
     for obs, numel in layout:
         shape = obs.shapes[0] if obs.numel else [numel]
         lo = packed[offset : offset + numel].reshape(shape)
         hi = -packed[offset + numel : offset + 2 * numel].reshape(shape)
         offset += 2 * numel
-        merged[obs.name] = (lo.cpu(), hi.cpu())
+        merged[obs.name] = (lo, hi)
     return merged
 
 
@@ -409,12 +416,12 @@ def _batches(module: nn.Module, observed: bool) -> float:
 
 
 def _merge_moving_averages(
-    observers: list[_Observer], payloads: list[dict], comm: _Comm
+    observers: list[_Observer], sizes: dict[str, int], comm: _Comm
 ) -> dict[str, tuple]:
     """One all_reduce(SUM) over [n * min, n * max, n] of every moving average."""
     parts, layout = [], []
     for obs in observers:
-        numel = _agreed_numel(obs.name, payloads)
+        numel = sizes.get(obs.name, 0)
         if numel == 0:
             continue
         lo, hi = obs.module.min_val.detach(), obs.module.max_val.detach()
@@ -448,16 +455,22 @@ def _load_histogram(target: nn.Module, hist: torch.Tensor, lo: torch.Tensor, hi:
         buffer.detach_().resize_(value.shape).copy_(value)
 
 
-def _accumulator(module: nn.Module) -> nn.Module:
+def _accumulator(module: nn.Module, cache: dict) -> nn.Module:
     """An observer whose ``merge`` combines histograms: a copy of ``module`` if it has
-    one (qcore's HistogramObserver), else qcore's HistogramObserver with its bins."""
-    if callable(getattr(module, "merge", None)):
-        return copy.deepcopy(module)
-    from qcore.observers.histogram import HistogramObserver
+    one (qcore's HistogramObserver), else qcore's HistogramObserver with its bins.
+    One per class, bins and upsampling rate; its state is overwritten on each use."""
+    rate = getattr(module, "upsample_rate", None)
+    key = (type(module), module.bins, rate)
+    if key not in cache:
+        if callable(getattr(module, "merge", None)):
+            cache[key] = copy.deepcopy(module)
+        else:
+            from qcore.observers.histogram import HistogramObserver
 
-    scratch = HistogramObserver(bins=module.bins)
-    scratch.upsample_rate = getattr(module, "upsample_rate", scratch.upsample_rate)
-    return scratch
+            scratch = HistogramObserver(bins=module.bins)
+            scratch.upsample_rate = rate or scratch.upsample_rate
+            cache[key] = scratch
+    return cache[key]
 
 
 def _merge_histograms(observers: list[_Observer], comm: _Comm) -> dict[str, tuple]:
@@ -486,12 +499,14 @@ def _merge_histograms(observers: list[_Observer], comm: _Comm) -> dict[str, tupl
     share_sizes = [
         sum(sizes[i] for i in range(r, len(observers), comm.world)) for r in range(comm.world)
     ]
-    mine = []
+    share = torch.zeros(max(share_sizes), dtype=dtype)  # this rank's merged histograms
+    filled = 0
     others: dict[int, HistogramObserver] = {}
+    accumulators: dict = {}
     for index in range(comm.rank, len(observers), comm.world):
         obs, start, end = observers[index], offsets[index], offsets[index + 1]
         bins = obs.numel
-        acc = _accumulator(obs.module)
+        acc = _accumulator(obs.module, accumulators)
         row = gathered[0][start:end]
         _load_histogram(acc, row[2:].to(acc.histogram.dtype), row[0], row[1])
         other = others.setdefault(bins, HistogramObserver(bins=bins))
@@ -499,11 +514,10 @@ def _merge_histograms(observers: list[_Observer], comm: _Comm) -> dict[str, tupl
             row = gathered[rank][start:end]
             _load_histogram(other, row[2:], row[0], row[1])
             acc.merge(other)
-        mine += [acc.min_val.reshape(1), acc.max_val.reshape(1), acc.histogram.reshape(-1)]
-    share = torch.zeros(max(share_sizes), dtype=dtype)
-    if mine:
-        flat = torch.cat([m.detach().to(dtype) for m in mine])
-        share[: flat.numel()] = flat
+        share[filled] = acc.min_val.detach().reshape(())
+        share[filled + 1] = acc.max_val.detach().reshape(())
+        share[filled + 2 : filled + 2 + bins] = acc.histogram.detach()
+        filled += bins + 2
     results = [t.cpu() for t in comm.all_gather(share.to(comm.device), "sharing merged histograms")]
 
     merged = {}
@@ -520,8 +534,9 @@ def _merge_histograms(observers: list[_Observer], comm: _Comm) -> dict[str, tupl
 
 
 def _write(buffer: torch.Tensor, value: torch.Tensor) -> None:
-    value = value.to(dtype=buffer.dtype, device=buffer.device)
-    buffer.detach_().resize_(value.shape).copy_(value)
+    if buffer.shape != value.shape:
+        buffer.detach_().resize_(value.shape)
+    buffer.copy_(value)
 
 
 def sync_observers(
@@ -585,8 +600,9 @@ def sync_observers(
     for obs in observers:
         if obs.kind in by_kind:
             by_kind[obs.kind].append(obs)
-    min_max = _merge_min_max(by_kind[MINMAX], payloads, comm)
-    moving = _merge_moving_averages(by_kind[MOVING_AVERAGE], payloads, comm)
+    sizes = _agreed_sizes(payloads)
+    min_max = _merge_min_max(by_kind[MINMAX], sizes, comm)
+    moving = _merge_moving_averages(by_kind[MOVING_AVERAGE], sizes, comm)
     histograms = _merge_histograms(by_kind[HISTOGRAM], comm)
 
     # fake quants' new qparams, from copies of their merged observers
