@@ -231,9 +231,10 @@ class Built:
     inputs: tuple
 
 
-def build(case: Case, backend: str) -> Built:
+def build(case: Case, backend: str, seed: int = 0) -> Built:
+    """Prepare (weights from ``seed``), calibrate, convert to reference and lowered forms."""
     with torch.random.fork_rng():
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         inner = case.make().eval()
         model = (Wrap2 if len(case.shapes) == 2 else Wrap)(inner, len(case.shapes)).eval()
     example = inputs_for(case, 0)
@@ -241,8 +242,8 @@ def build(case: Case, backend: str) -> Built:
         warnings.simplefilter("ignore")  # a fixed-qparams op's override notice, reduce_range
         prepared = qcore.prepare_fx(model, mapping_for(case.mapping, backend), example, backend)
         with torch.no_grad():
-            for seed in range(4):
-                prepared(*inputs_for(case, seed))
+            for batch in range(4):
+                prepared(*inputs_for(case, 4 * seed + batch))
         reference = qcore.convert_to_reference_fx(prepared)
         converted = qcore.convert_fx(prepared)
     return Built(model, prepared, reference, converted, inputs_for(case, 10))

@@ -45,6 +45,9 @@ _SKIPPED_FUNCTIONS = (
 )
 
 
+_PREPARE_STATE_KEYS = ("qcore_state", "qcore_pt2e_state")
+
+
 class _Refused(Exception):
     """A kernel cannot take this match; the message is explain's reason."""
 
@@ -276,21 +279,56 @@ class _Lowering:
         key = (source, qparams)
         if key not in self.quantized:
             with self.graph.inserting_before(quantize):
+                scale, zero_point = self._qparams_attrs(f"{source.name}_input", qparams)
                 new = self.graph.call_function(
-                    torch.quantize_per_tensor,
-                    (source, qparams.scale, qparams.zero_point, qparams.dtype),
+                    torch.quantize_per_tensor, (source, scale, zero_point, qparams.dtype)
                 )
             self.inserted.add(new)
             self.quantized[key] = new
         return self.quantized[key]
 
+    def _qparams_attrs(self, hint: str, qparams: ActivationQParams) -> tuple[Node, Node]:
+        """get_attr nodes of new buffers holding ``qparams``: in the state_dict, like
+        torch.ao's, so a loaded state_dict brings its calibration along."""
+        return self._buffers_for(hint, qparams.scale, qparams.zero_point)
+
+    def _buffers_for(self, hint: str, scale: float, zero_point: int) -> tuple[Node, Node]:
+        names = []
+        for suffix, value in (
+            ("scale", torch.tensor(scale, dtype=torch.float64)),
+            ("zero_point", torch.tensor(zero_point, dtype=torch.long)),
+        ):
+            name, index = f"{hint}_{suffix}", 0
+            while hasattr(self.gm, name):
+                index += 1
+                name = f"{hint}_{suffix}_{index}"
+            self.gm.register_buffer(name, value)
+            names.append(name)
+        nodes = tuple(self.graph.get_attr(name) for name in names)
+        self.inserted.update(nodes)
+        return nodes
+
+    def qparams_to_buffers(self) -> None:
+        """What stays in reference form keeps its qparams in buffers too."""
+        for node in list(self.graph.nodes):
+            if not (
+                _is_call(node, ops.quantize_per_tensor) or _is_call(node, ops.dequantize_per_tensor)
+            ):
+                continue
+            source, scale, zero_point, *rest = node.args
+            if isinstance(scale, Node) or isinstance(zero_point, Node):
+                continue
+            with self.graph.inserting_before(node):
+                scale_node, zero_point_node = self._buffers_for(node.name, scale, zero_point)
+            node.args = (source, scale_node, zero_point_node, *rest)
+
     def _requantize(self, node: Node, qparams: ActivationQParams) -> Node:
         with self.graph.inserting_after(node):
             dequantized = self.graph.call_method("dequantize", (node,))
         with self.graph.inserting_after(dequantized):
+            scale, zero_point = self._qparams_attrs(f"{node.name}_output", qparams)
             requantized = self.graph.call_function(
-                torch.quantize_per_tensor,
-                (dequantized, qparams.scale, qparams.zero_point, qparams.dtype),
+                torch.quantize_per_tensor, (dequantized, scale, zero_point, qparams.dtype)
             )
         self.inserted.update((dequantized, requantized))
         return requantized
@@ -311,10 +349,21 @@ def lower(gm: GraphModule, kernels: tuple, backend: str) -> GraphModule:
     lowering = _Lowering(gm, kernels, backend)
     lowering.run()
     gm.graph.eliminate_dead_code()
+    lowering.qparams_to_buffers()
+    for node in gm.graph.nodes:
+        if isinstance(node.type, str):  # `from __future__ import annotations` in the
+            node.type = None  # user's model: torch.fx cannot pickle a string annotation
     gm.delete_all_unused_submodules()
     gm.graph.lint()
     gm.recompile()
     _update_report(gm, lowering)
+    # The prepare-time decisions (backend config with its fuser functions, kernels)
+    # are spent: a lowered model keeps only its explain report, so it pickles.
+    for key in _PREPARE_STATE_KEYS:
+        gm.meta.pop(key, None)
+    # Unpickling re-traces the generated code with the recorded tracer class; qcore's
+    # tracer needs prepare-time arguments, torch.fx's plain one does not.
+    gm._tracer_cls = None
     return gm
 
 

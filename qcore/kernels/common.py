@@ -5,9 +5,9 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-import torch
 from torch.fx import Node
 
+from qcore.kernels.packed import OutputQParamsState
 from qcore.plugin.kernels import ActivationQParams, KernelMatch, SameOp
 
 __all__ = [
@@ -77,7 +77,7 @@ def _short(qparams: ActivationQParams | None) -> str:
     return f"(scale={qparams.scale:.6g}, zero_point={qparams.zero_point})"
 
 
-class OutputKernel(torch.nn.Module):
+class OutputKernel(OutputQParamsState):
     """A kernel without weights that quantizes its output to fixed qparams."""
 
     returns_quantized = True

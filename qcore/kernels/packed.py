@@ -18,10 +18,35 @@ import torch
 from qcore.engine.reference import QParams, ReferenceModule, weighted_child
 from qcore.kernels.runtime import TORCH_QUANTIZED_DTYPE, packing_engine, quiet_quantized_tensors
 
-__all__ = ["PackedWeights"]
+__all__ = ["OutputQParamsState", "PackedWeights"]
 
 
-class PackedWeights(torch.nn.Module):
+class OutputQParamsState(torch.nn.Module):
+    """Keeps a kernel's output ``scale``/``zero_point`` (Python numbers, as torch's
+    ops take them) in the state_dict, as torch.ao's quantized modules do."""
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if hasattr(self, "scale"):
+            destination[prefix + "scale"] = torch.tensor(self.scale, dtype=torch.float64)
+            destination[prefix + "zero_point"] = torch.tensor(self.zero_point, dtype=torch.long)
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ) -> None:
+        if hasattr(self, "scale"):
+            for key in ("scale", "zero_point"):
+                if prefix + key in state_dict:
+                    value = state_dict.pop(prefix + key)
+                    setattr(self, key, float(value) if key == "scale" else int(value))
+                elif strict:
+                    missing_keys.append(prefix + key)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+        )
+
+
+class PackedWeights(OutputQParamsState):
     """Base class: integer weight + qparams as buffers, packed for ``engine``.
 
     Subclasses set their fields, call :meth:`set_weight` (or register their own
