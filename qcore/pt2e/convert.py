@@ -10,7 +10,6 @@ replace it (``qcore.engine.lower``), as on the FX path.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -24,7 +23,7 @@ from qcore.engine.lower import lower as lower_to_kernels
 from qcore.engine.observe import DerivedObserver
 from qcore.engine.reference import QParams, qparams_of
 from qcore.pt2e.patterns import packet
-from qcore.pt2e.prepare import PT2E_STATE_KEY, Pt2eState
+from qcore.pt2e.prepare import PT2E_STATE_KEY, Pt2eState, quiet_deepcopy
 from qcore.pt2e.reference import to_reference_modules
 
 __all__ = ["convert_pt2e"]
@@ -117,7 +116,14 @@ def _to_eval(gm: GraphModule) -> None:
 def convert_reference(prepared: GraphModule) -> GraphModule:
     """A converted copy in reference form (decomposed quantize/dequantize)."""
     state = _state_of(prepared)
-    gm = copy.deepcopy(prepared)
+    # Derived observers keep their spec, which names graph nodes: share it
+    # (it is frozen) rather than deep-copy nodes with their fake tensors.
+    memo = {
+        id(module.spec): module.spec
+        for module in prepared.modules()
+        if isinstance(module, DerivedObserver)
+    }
+    gm = quiet_deepcopy(prepared, memo)
     gm.eval()
     _to_eval(gm)
     modules = dict(gm.named_modules())

@@ -9,6 +9,7 @@ by the engine both front doors share (``qcore.engine.observe``).
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,13 @@ class Pt2eState:
     observer_names: tuple[str, ...]
     full_range: bool = False
     """Quantize over the dtype's whole range (QConfig semantics), not the observer's."""
+
+
+def quiet_deepcopy(gm: GraphModule, memo: dict | None = None) -> GraphModule:
+    """A deep copy; torch 2.13's pytree warns (FutureWarning) copying export's specs."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        return copy.deepcopy(gm, memo)
 
 
 def resolve_quantizer(quantizer: Any, is_qat: bool) -> tuple[Quantizer, str, tuple]:
@@ -127,7 +135,7 @@ def _report(gm: GraphModule, backend: str, observer_names: set[str]) -> Report:
 
 
 def _prepare(model: Any, quantizer: Any, is_qat: bool) -> GraphModule:
-    gm = copy.deepcopy(as_exported_module(model))
+    gm = quiet_deepcopy(as_exported_module(model))
     chosen, backend_name, kernels = resolve_quantizer(quantizer, is_qat)
     if not is_qat:
         fold_conv_bn(gm)
