@@ -11,6 +11,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from qcore.config.errors import describe
+from qcore.engine.observe import SharingError
 from qcore.quantizer.quantizer import ANNOTATION_KEY
 from qcore.quantizer.spec import (
     DerivedQuantizationSpec,
@@ -49,10 +50,11 @@ def as_exported_module(model: Any) -> GraphModule:
                 f"model: node {node.name!r} calls module {node.target!r}, which graphs from "
                 f"torch.export never do (a torch.fx.symbolic_trace graph?); {_EXPORT_HINT}"
             )
+    for node in model.graph.nodes:
         if node.op in ("placeholder", "call_function") and "val" not in node.meta:
             raise TypeError(
-                f"model: node {node.name!r} ({node.op} {describe(node.target)}) has no "
-                f"meta['val'], which torch.export records on every node; {_EXPORT_HINT}"
+                f"model: node {node.name!r} ({node.op}) has no meta['val'], which "
+                f"torch.export records on every node; {_EXPORT_HINT}"
             )
     return model
 
@@ -89,9 +91,25 @@ def _check_point(where: str, point: Any, nodes: set[Node]) -> None:
         )
 
 
-def _check_spec(where: str, spec: Any, nodes: set[Node]) -> None:
+def _tensor_dtype(point: Any) -> Any:
+    node = point[0] if isinstance(point, tuple) else point
+    value = node.meta.get("val")
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def _check_spec(where: str, spec: Any, nodes: set[Node], point: Any = None) -> None:
     if isinstance(spec, SharedQuantizationSpec):
         _check_point(f"{where}: SharedQuantizationSpec", spec.edge_or_node, nodes)
+        mine, theirs = _tensor_dtype(point), _tensor_dtype(spec.edge_or_node)
+        if point is not None and mine is not None and theirs is not None and mine != theirs:
+            target = spec.edge_or_node
+            name = (
+                target.name if isinstance(target, Node) else f"{target[0].name}->{target[1].name}"
+            )
+            raise SharingError(
+                f"{where}: SharedQuantizationSpec shares qparams of a {mine} tensor with "
+                f"{name!r}, a {theirs} tensor; sharing needs tensors of one dtype"
+            )
     elif isinstance(spec, DerivedQuantizationSpec):
         for index, point in enumerate(spec.derived_from):
             _check_point(f"{where}: DerivedQuantizationSpec.derived_from[{index}]", point, nodes)
@@ -122,7 +140,7 @@ def annotations_of(gm: GraphModule) -> dict[Node, QuantizationAnnotation]:
                     f"{where}: input_qspec_map key {arg.name!r} is not an input of "
                     f"{node.name!r} (its inputs: {sorted(n.name for n in inputs)})"
                 )
-            _check_spec(f"{where}, input {arg.name!r}", spec, nodes)
-        _check_spec(f"{where}, output", annotation.output_qspec, nodes)
+            _check_spec(f"{where}, input {arg.name!r}", spec, nodes, (arg, node))
+        _check_spec(f"{where}, output", annotation.output_qspec, nodes, node)
         found[node] = annotation
     return found
