@@ -85,16 +85,30 @@ def worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
             started = time.perf_counter()
             prepared(batch)
             batch_times.append(time.perf_counter() - started)
+    calibrated = {name: b.clone() for name, b in prepared.named_buffers()}
+    buffers = dict(prepared.named_buffers())
     merge_times, result = [], None
     for _ in range(args.repeat):
+        for name, value in calibrated.items():  # each merge starts from the calibration
+            buffers[name].resize_(value.shape).copy_(value)
         dist.barrier()
         started = time.perf_counter()
         result = qcore.sync_observers(prepared, timeout=datetime.timedelta(seconds=60))
         merge_times.append(time.perf_counter() - started)
+    # the floor: one all_gather of as many bytes as all the histograms
+    histograms = [b for name, b in buffers.items() if name.endswith(".histogram")]
+    payload = torch.cat([h.reshape(-1) for h in histograms])
+    gather_times = []
+    for _ in range(args.repeat):
+        out = [torch.empty_like(payload) for _ in range(args.world)]
+        dist.barrier()
+        started = time.perf_counter()
+        dist.all_gather(out, payload)
+        gather_times.append(time.perf_counter() - started)
     kinds: dict[str, int] = {}
     for kind in result.kinds.values():
         kinds[kind] = kinds.get(kind, 0) + 1
-    queue.put((rank, batch_times, merge_times, kinds))
+    queue.put((rank, batch_times, merge_times, kinds, gather_times, payload.numel() * 4))
     dist.destroy_process_group()
 
 
@@ -141,14 +155,15 @@ def main() -> None:
         f"{args.world} gloo processes on 127.0.0.1, {args.threads} thread(s) each, "
         f"batch of {args.batch}"
     )
-    for rank, batch_times, merge_times, _ in results:
+    for rank, batch_times, merge_times, _, gather_times, nbytes in results:
         batch = statistics.median(batch_times[1:])  # the first batch warms up
         merge = statistics.median(merge_times)
         print(
-            f"rank {rank}: one calibration batch {batch * 1e3:8.1f} ms | "
-            f"sync_observers median {merge * 1e3:7.1f} ms "
+            f"rank {rank}: one calibration batch {batch * 1e3:7.1f} ms | "
+            f"sync_observers median {merge * 1e3:6.1f} ms "
             f"(min {min(merge_times) * 1e3:.1f}, max {max(merge_times) * 1e3:.1f}) "
-            f"= {merge / batch:.2f} batches"
+            f"= {merge / batch:.2f} batch | one all_gather of the {nbytes / 1e6:.1f} MB of "
+            f"histograms alone: {statistics.median(gather_times) * 1e3:.1f} ms"
         )
 
 

@@ -526,7 +526,7 @@ def _merge_histograms(observers: list[_Observer], comm: _Comm) -> dict[str, tupl
         owner = index % comm.world
         row = results[owner][position[owner] : position[owner] + sizes[index]]
         position[owner] += sizes[index]
-        merged[obs.name] = (row[0].clone(), row[1].clone(), row[2:].clone())
+        merged[obs.name] = (row[0], row[1], row[2:])  # views of a fresh gather
     return merged
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import math
 import os
 import socket
 import time
@@ -418,3 +419,28 @@ def test_without_a_process_group_is_a_clear_error():
     prepared = calibrate(prepare("minmax"), shard(0))
     with pytest.raises(qcore.ObserverSyncError, match="init_process_group"):
         qcore.sync_observers(prepared)
+
+
+def test_rebinning_index_is_bucketize_exactly():
+    """HistogramObserver's re-binning (what merging costs) finds bins arithmetically;
+    it must agree with torch.bucketize everywhere, edges included."""
+    from qcore.observers.histogram import _bin_of
+
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(300):
+        lo = float(torch.randn(1, generator=generator)) * 100
+        span = float(torch.rand(1, generator=generator)) * 10 ** int(
+            torch.randint(-5, 4, (1,), generator=generator)
+        )
+        bins = int(torch.randint(1, 4096, (1,), generator=generator))
+        edges = torch.linspace(lo, lo + span + 1e-30, bins + 1)
+        values = torch.cat(
+            [
+                lo - 0.1 * span + torch.rand(256, generator=generator) * span * 1.2,
+                edges,
+                edges.nextafter(torch.tensor(math.inf)),
+                edges.nextafter(torch.tensor(-math.inf)),
+            ]
+        )
+        expected = (torch.bucketize(values, edges, right=True) - 1).clamp(0, bins - 1)
+        assert torch.equal(_bin_of(values, edges), expected), (lo, span, bins)
