@@ -1,0 +1,124 @@
+"""PT2E path: qcore against torchao 0.18 on the exported zoo models, as ratios.
+
+    python benchmarks/pt2e.py [--repeat 3] [model ...]
+
+For each model: prepare time, convert time (qcore lowers to its x86 kernels;
+torchao's convert gives its reference graph) and the latency of one forward of
+the converted model, best of ``--repeat`` runs, interleaved so machine load
+hits both alike. Ratios are qcore / torchao (below 1: qcore is faster).
+The machine (CPU model from /proc/cpuinfo, cores, torch) heads the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from zoo import ZOO  # noqa: E402
+
+import qcore  # noqa: E402
+from qcore.config.qconfig import QConfig  # noqa: E402
+from qcore.observers import HistogramObserver, PerChannelMinMaxObserver  # noqa: E402
+from qcore.pt2e import BackendQuantizer  # noqa: E402
+
+
+def machine() -> str:
+    model = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def qcore_quantizer():
+    activation = HistogramObserver.with_args(dtype=torch.quint8)
+    weight = PerChannelMinMaxObserver.with_args(
+        dtype=torch.qint8, qscheme=torch.per_channel_symmetric
+    )
+    mapping = qcore.get_default_qconfig_mapping("x86").set_global(QConfig(activation, weight))
+    return BackendQuantizer.for_backend("x86", mapping)
+
+
+def torchao_flow():
+    import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    def quantizer():
+        q = xiq.X86InductorQuantizer()
+        return q.set_global(xiq.get_default_x86_inductor_quantization_config())
+
+    return quantizer, prepare_pt2e, convert_pt2e
+
+
+def timed(function, *args):
+    start = time.perf_counter()
+    result = function(*args)
+    return result, time.perf_counter() - start
+
+
+def latency(model, batch, runs: int = 20) -> float:
+    with torch.no_grad():
+        model(*batch)
+        start = time.perf_counter()
+        for _ in range(runs):
+            model(*batch)
+    return (time.perf_counter() - start) / runs
+
+
+def one_run(entry, flow):
+    """(prepare s, convert s, latency s) for one flow on one model."""
+    model = entry.make_model()
+    batch = entry.calibration_data(1)[0]
+    quantizer, prepare, convert = flow
+    exported = torch.export.export(model, batch).module()
+    prepared, prepare_s = timed(prepare, exported, quantizer())
+    with torch.no_grad():
+        for inputs in entry.calibration_data(4):
+            prepared(*inputs)
+    converted, convert_s = timed(convert, prepared)
+    return prepare_s, convert_s, latency(converted, batch)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", default=sorted(ZOO))
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    ours = (qcore_quantizer, qcore.prepare_pt2e, qcore.convert_pt2e)
+    theirs = torchao_flow()
+    print(f"machine: {machine()}")
+    header = ("model", "prepare qcore/ao", "convert qcore/ao", "latency qcore/ao")
+    print(f"{header[0]:<18} {header[1]:>26} {header[2]:>26} {header[3]:>26}")
+    for name in args.models:
+        best_ours = [float("inf")] * 3
+        best_theirs = [float("inf")] * 3
+        for _ in range(args.repeat):
+            best_ours = [
+                min(a, b) for a, b in zip(best_ours, one_run(ZOO[name], ours), strict=True)
+            ]
+            best_theirs = [
+                min(a, b) for a, b in zip(best_theirs, one_run(ZOO[name], theirs), strict=True)
+            ]
+        cells = [
+            f"{o * 1e3:8.1f}/{t * 1e3:8.1f}ms {o / t:5.2f}x"
+            for o, t in zip(best_ours, best_theirs, strict=True)
+        ]
+        print(f"{name:<18} {cells[0]:>26} {cells[1]:>26} {cells[2]:>26}")
+
+
+if __name__ == "__main__":
+    main()
