@@ -1,0 +1,201 @@
+"""Latency, SQNR and size of qcore's lowered models against torch.ao FX and float.
+
+For every zoo model and backend (fbgemm, qnnpack, x86), in one process: the
+float model, torch.ao FX's converted model (same engine, same QConfigMapping:
+torch.ao's default for the backend, or its dynamic one for the LSTM) and
+qcore's, at batch 1 and 32. Latency is the median of timed single calls after
+warmup, with torch.backends.quantized.engine set to the backend for all three.
+SQNR is against the float model on held-out data; size is the serialized
+state_dict. Writes benchmarks/RESULTS.md.
+
+Run: python benchmarks/kernels.py [--models a,b] [--backends x,y] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from zoo import EVAL_SEED, ZOO  # noqa: E402
+from zoo.baseline import (  # noqa: E402
+    default_qconfig_mapping,
+    quantize_zoo_entry,
+    quantized_engine,
+    sqnr,
+)
+
+import qcore  # noqa: E402
+
+BACKENDS = ("fbgemm", "qnnpack", "x86")
+BATCHES = (1, 32)
+CONV_NETS = ("resnet18_like", "mobilenetv2_like")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def latencies_ms(models: dict, inputs: tuple, rounds: int = 7, block_seconds: float = 0.05):
+    """Per model, milliseconds of one call: the models are timed in interleaved rounds
+    (a block of calls each, its median), and the fastest round counts, so a burst of
+    load from other processes hits one round of every model, not one model."""
+    with torch.no_grad():
+        calls = {}
+        for name, model in models.items():
+            for _ in range(3):
+                model(*inputs)  # warmup
+            start = time.perf_counter()
+            model(*inputs)
+            once = time.perf_counter() - start
+            calls[name] = max(3, min(200, int(block_seconds / max(once, 1e-6))))
+        best = {name: float("inf") for name in models}
+        for _ in range(rounds):
+            for name, model in models.items():
+                times = []
+                for _ in range(calls[name]):
+                    start = time.perf_counter()
+                    model(*inputs)
+                    times.append(time.perf_counter() - start)
+                best[name] = min(best[name], statistics.median(times))
+    return {name: 1000 * value for name, value in best.items()}
+
+
+def size_kb(model) -> float:
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    return buffer.tell() / 1024
+
+
+def batch_of(entry, batch: int) -> tuple:
+    example = entry.example_inputs()
+    generator = torch.Generator().manual_seed(7)
+    return tuple(torch.randn(batch, *t.shape[1:], generator=generator) for t in example)
+
+
+def qcore_quantize(entry, backend: str):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao's observers (the peer's mapping) warn
+        mapping = default_qconfig_mapping(backend, dynamic=entry.dynamic)
+        prepared = qcore.prepare_fx(entry.make_model(), mapping, entry.example_inputs(), backend)
+        with torch.no_grad():
+            for batch in entry.calibration_data(8):
+                prepared(*batch)
+        return qcore.convert_fx(prepared)
+
+
+def measure(name: str, backend: str) -> dict:
+    entry = ZOO[name]
+    model = entry.make_model()
+    baseline = quantize_zoo_entry(entry, backend)
+    ours = qcore_quantize(entry, backend)
+    evals = entry.calibration_data(4, seed=EVAL_SEED)
+    row = {"model": name, "backend": backend, "ao_ok": baseline.ok}
+    with torch.no_grad(), quantized_engine(backend), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao's models create quantized tensors
+        row["sqnr_qcore"] = sum(sqnr(model(*b), ours(*b)) for b in evals) / len(evals)
+        row["sqnr_ao"] = baseline.sqnr if baseline.ok else float("nan")
+        models = {"float": model, "qcore": ours}
+        if baseline.ok:
+            models["ao"] = baseline.model
+        for batch in BATCHES:
+            timings = latencies_ms(models, batch_of(entry, batch))
+            for variant in ("float", "ao", "qcore"):
+                row[f"{variant}_{batch}"] = timings.get(variant, float("nan"))
+    row["size_float"], row["size_qcore"] = size_kb(model), size_kb(ours)
+    row["size_ao"] = size_kb(baseline.model) if baseline.ok else float("nan")
+    report = qcore.explain(ours)
+    row["ops"] = f"{len(report.quantized)}/{len(report.ops)}"
+    return row
+
+
+def render(rows: list[dict], threads: int) -> str:
+    lines = [
+        "# Kernel benchmarks: qcore vs torch.ao FX vs float",
+        "",
+        f"Machine: {cpu_model()}, {os.cpu_count()} logical cores, "
+        f"torch.set_num_threads({threads}); torch {torch.__version__}, "
+        f"Python {platform.python_version()}.",
+        "",
+        f"Load average while measuring: {os.getloadavg()[0]:.1f} (a shared machine: the "
+        "three models of a row are timed in interleaved rounds and each keeps its fastest "
+        "round's median).",
+        "",
+        "Latency of one forward (ms) after warmup; `ao/q` is torch.ao's latency over "
+        "qcore's (above 1: qcore is faster), `f/q` float's over qcore's (the int8 speed-up). "
+        "SQNR (dB) against the float model on held-out data. Size: serialized state_dict (KiB). "
+        "`ops`: operators on qcore kernels / operators. Same engine and QConfigMapping for "
+        "torch.ao and qcore (torch.ao's default for the backend; its dynamic one for lstm).",
+        "Generated by `python benchmarks/kernels.py`.",
+        "",
+    ]
+    for backend in BACKENDS:
+        selected = [r for r in rows if r["backend"] == backend]
+        if not selected:
+            continue
+        lines += [
+            f"## {backend}",
+            "",
+            "| model | batch | float | torch.ao | qcore | ao/q | f/q | SQNR ao | SQNR qcore "
+            "| size float | size ao | size qcore | ops |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in selected:
+            for batch in BATCHES:
+                f, a, q = r[f"float_{batch}"], r[f"ao_{batch}"], r[f"qcore_{batch}"]
+                lines.append(
+                    f"| {r['model']} | {batch} | {f:.3f} | {a:.3f} | {q:.3f} | {a / q:.2f} "
+                    f"| {f / q:.2f} | {r['sqnr_ao']:.1f} | {r['sqnr_qcore']:.1f} "
+                    f"| {r['size_float']:.0f} | {r['size_ao']:.0f} | {r['size_qcore']:.0f} "
+                    f"| {r['ops']} |"
+                )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(sorted(ZOO)))
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    args = parser.parse_args(argv)
+    threads = min(2, os.cpu_count() or 1)
+    torch.set_num_threads(threads)
+    rows = []
+    for backend in args.backends.split(","):
+        for name in args.models.split(","):
+            row = measure(name, backend)
+            rows.append(row)
+            print(
+                f"{backend:8s} {name:18s} "
+                + " ".join(
+                    f"b{b}: f {row[f'float_{b}']:.3f} ao {row[f'ao_{b}']:.3f} "
+                    f"q {row[f'qcore_{b}']:.3f}"
+                    for b in BATCHES
+                ),
+                flush=True,
+            )
+    Path(args.out).write_text(render(rows, threads) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
