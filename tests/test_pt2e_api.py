@@ -1,5 +1,6 @@
 """The PT2E front door: every backend by name, plugin quantizers, composition, bad input."""
 
+import importlib
 import importlib.util
 import warnings
 
@@ -70,7 +71,21 @@ def installed(name):
     return True
 
 
-BACKENDS = sorted(set(qcore.list_backends()) | {"mychip"})
+def mychip_mapping():
+    """The tutorial's QConfig, within mychip's constraints (eps 2**-12)."""
+    from qcore.config.qconfig import QConfig, QConfigMapping
+    from qcore.observers import HistogramObserver
+
+    activation = HistogramObserver.with_args(
+        dtype=torch.quint8, quant_min=0, quant_max=255, eps=2**-12
+    )
+    weight = MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)
+    return QConfigMapping().set_global(QConfig(activation, weight))
+
+
+# mychip is the tutorial's backend: the default mapping's eps is below its bound, so by
+# name it explains instead (test_mychip_gets_pt2e_from_its_backend_config).
+BACKENDS = sorted(set(qcore.list_backends()) - {"mychip"})
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -89,7 +104,10 @@ def test_every_backend_works_by_name(name):
 def test_mychip_gets_pt2e_from_its_backend_config():
     if not installed("mychip"):
         pytest.skip("qcore-mychip is not installed (tox -e thirdparty installs it)")
-    quantizer = BackendQuantizer.for_backend("mychip")
+    by_name = qcore.prepare_pt2e(exported(), "mychip")
+    (linear,) = [e for e in qcore.explain(by_name) if e.node == "linear"]
+    assert "scale_min_lower_bound" in linear.reason
+    quantizer = BackendQuantizer.for_backend("mychip", mychip_mapping())
     prepared = qcore.prepare_pt2e(exported(), quantizer)
     patterns = {e.pattern for e in qcore.explain(prepared) if e.pattern}
     assert {"Linear", "ConvReLU2d"} <= patterns, patterns
@@ -357,3 +375,28 @@ def test_mychip_is_reported_when_missing():
     with pytest.raises(qcore.UnknownBackendError), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         qcore.prepare_pt2e(exported(), "mychip")
+
+
+def test_the_third_party_backend_gets_pt2e_without_a_quantizer(monkeypatch):
+    """tests/thirdparty/mychip, registered in-process (tox -e thirdparty installs it)."""
+    import pathlib
+
+    root = pathlib.Path(__file__).parent / "thirdparty" / "mychip"
+    monkeypatch.syspath_prepend(str(root))
+    plugin = importlib.import_module("qcore_mychip.plugin")
+    qcore.register_plugin(plugin, name="mychip-pt2e")
+    # The default mapping's eps is below mychip's scale_min_lower_bound: the
+    # tutorial's faulty setup, explained.
+    prepared = qcore.prepare_pt2e(exported(), "mychip-pt2e")
+    (linear,) = [e for e in qcore.explain(prepared) if e.node == "linear"]
+    assert linear.status.name == "FLOAT"
+    assert "scale_min_lower_bound" in linear.reason
+    model = make_small()
+    quantizer = BackendQuantizer.for_backend("mychip-pt2e", mychip_mapping())
+    prepared = qcore.prepare_pt2e(exported(model), quantizer)
+    patterns = {e.pattern for e in qcore.explain(prepared) if e.pattern}
+    assert patterns == {"Linear", "ConvReLU2d"}, patterns
+    prepared(X)
+    converted = qcore.convert_pt2e(prepared)  # mychip has no kernels: reference form
+    assert "REFERENCE" in {e.status.name for e in qcore.explain(converted)}
+    assert sqnr(model(X), converted(X)) > 15
