@@ -68,8 +68,15 @@ def latencies_ms(models: dict, inputs: tuple, rounds: int = 7, block_seconds: fl
             once = time.perf_counter() - start
             calls[name] = max(3, min(200, int(block_seconds / max(once, 1e-6))))
         best = {name: float("inf") for name in models}
-        for _ in range(rounds):
-            for name, model in models.items():
+        names = list(models)
+        for round_index in range(rounds):
+            # rotate the order: a model following float pays for the float kernels'
+            # spinning OpenMP threads, which contend with qnnpack's own thread pool
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                model = models[name]
+                for _ in range(2):
+                    model(*inputs)  # settle the threads after the previous model
                 times = []
                 for _ in range(calls[name]):
                     start = time.perf_counter()
