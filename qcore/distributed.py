@@ -309,7 +309,7 @@ class _Comm:
         padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         gathered = self.all_gather(padded.to(self.device), step)
         return [
-            json.loads(bytes(t[:n].cpu().numpy().tobytes()).decode())
+            json.loads(bytes(t[:n].cpu().tolist()).decode())
             for t, n in zip(gathered, sizes, strict=True)
         ]
 

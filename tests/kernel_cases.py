@@ -28,8 +28,6 @@ from qcore.config.qconfig import (
     float_qparams_weight_only_qconfig,
 )
 
-BACKENDS = ("fbgemm", "qnnpack", "x86")
-
 
 class Fn(nn.Module):
     """A module running ``fn`` on one input (so the op is a traced call_function/method)."""

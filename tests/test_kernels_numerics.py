@@ -18,12 +18,11 @@ import math
 
 import pytest
 import torch
-from kernel_cases import BACKENDS, CASES, build, output_scale
+from backends import FIRST_PARTY, backend_params, requires_fbgemm
+from kernel_cases import CASES, build, output_scale
 
 import qcore
 from qcore.kernels import UNAVAILABLE
-
-pytest.importorskip("qcore_fbgemm")
 
 
 def _first(output):
@@ -35,7 +34,7 @@ def _sqnr(reference, actual) -> float:
     return math.inf if noise == 0 else 20 * math.log10(reference.norm().item() / noise)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backend_params())
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_kernel_matches_reference(name, backend):
     case = CASES[name]
@@ -66,6 +65,7 @@ def test_kernel_matches_reference(name, backend):
         assert worst <= step * (1 + 1e-4), f"{worst / step:.3f} steps"
 
 
+@requires_fbgemm
 def test_averaging_op_with_its_own_output_qparams_stays_in_reference_form():
     """avg pooling keeps its input's qparams in torch's kernel: a reference asking for
     other output qparams is not lowered (it would round twice), and explain says why."""
@@ -85,7 +85,7 @@ def test_averaging_op_with_its_own_output_qparams_stays_in_reference_form():
 def test_kernel_library_covers_every_engine():
     from qcore.kernels import kernels_for
 
-    for engine in BACKENDS:
+    for engine in FIRST_PARTY:
         kernels = kernels_for(engine)
         assert {k.engine for k in kernels} == {engine}
         assert all(k.name.startswith(engine + ".") for k in kernels)

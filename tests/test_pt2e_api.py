@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from backends import installed
 from torch import nn
 from zoo.baseline import sqnr
 
@@ -61,14 +62,6 @@ X = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
 
 def exported(model=None):
     return torch.export.export(model or make_small(), (X,)).module()
-
-
-def installed(name):
-    try:
-        qcore.get_backend(name)
-    except qcore.UnknownBackendError:
-        return False
-    return True
 
 
 def mychip_mapping():
@@ -381,18 +374,20 @@ def test_the_third_party_backend_gets_pt2e_without_a_quantizer(monkeypatch):
     """tests/thirdparty/mychip, registered in-process (tox -e thirdparty installs it)."""
     import pathlib
 
-    root = pathlib.Path(__file__).parent / "thirdparty" / "mychip"
-    monkeypatch.syspath_prepend(str(root))
-    plugin = importlib.import_module("qcore_mychip.plugin")
-    qcore.register_plugin(plugin, name="mychip-pt2e")
+    name = "mychip"
+    if name not in qcore.list_backends():  # not installed: register it in-process
+        root = pathlib.Path(__file__).parent / "thirdparty" / "mychip"
+        monkeypatch.syspath_prepend(str(root))
+        name = "mychip-pt2e"
+        qcore.register_plugin(importlib.import_module("qcore_mychip.plugin"), name=name)
     # The default mapping's eps is below mychip's scale_min_lower_bound: the
     # tutorial's faulty setup, explained.
-    prepared = qcore.prepare_pt2e(exported(), "mychip-pt2e")
+    prepared = qcore.prepare_pt2e(exported(), name)
     (linear,) = [e for e in qcore.explain(prepared) if e.node == "linear"]
     assert linear.status.name == "FLOAT"
     assert "scale_min_lower_bound" in linear.reason
     model = make_small()
-    quantizer = BackendQuantizer.for_backend("mychip-pt2e", mychip_mapping())
+    quantizer = BackendQuantizer.for_backend(name, mychip_mapping())
     prepared = qcore.prepare_pt2e(exported(model), quantizer)
     patterns = {e.pattern for e in qcore.explain(prepared) if e.pattern}
     assert patterns == {"Linear", "ConvReLU2d"}, patterns

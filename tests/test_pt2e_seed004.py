@@ -108,7 +108,7 @@ def test_add_with_both_inputs_sharing_qparams():
     assert dq_left.target is dq_right.target is ops.dequantize_per_tensor
     assert dq_left.args[1:] == dq_right.args[1:]  # same scale, zero point, range
     # The shared range covers b (10x wider than a).
-    assert dq_left.args[1] == pytest.approx((b.max() - torch.min(a.min(), b.min())) / 255, 0.1)
+    assert dq_left.args[1] == pytest.approx(float(b.max() - torch.min(a.min(), b.min())) / 255, 0.1)
     torch.testing.assert_close(converted(a, b), a + b, atol=0.5, rtol=0.05)
 
 

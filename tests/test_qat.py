@@ -219,8 +219,21 @@ def test_converted_model_matches_the_fake_quantized_model(trained, request):
     assert torch.equal(again, fake_quantized), "convert changed the prepared model"
 
     assert actual.shape == fake_quantized.shape
+    # The int8 adaptive average pool rounds its mean to the grid where the fake
+    # quant rounds a float mean that may land a hair on the other side of a tie
+    # (a mean of 64 integers is a tie one time in 64): a pooled value one pool step
+    # apart (seen: 3 of 1024), which the linear layer scales by at most max|W|.
+    # Everything before the pool agrees exactly; the output within one step plus that.
+    (pool,) = prepared.graph.find_nodes(op="call_module", target="pool")
+    pool_step = float(prepared.get_submodule(pool.args[0].target).calculate_qparams()[0])
+    fc = prepared.get_submodule("fc")
+    with torch.no_grad():
+        largest_weight = fc.weight_fake_quant(fc.weight).abs().max().item()
+    allowed = (step + pool_step * largest_weight) * (1 + 1e-5)
     error = (actual - fake_quantized).abs().max().item()
-    assert error <= step * (1 + 1e-5), f"{mapping_name}: max error {error} > one step {step}"
+    assert error <= allowed, f"{mapping_name}: max error {error} > {allowed} (step {step})"
+    within_one_step = ((actual - fake_quantized).abs() <= step * (1 + 1e-5)).float().mean()
+    assert within_one_step >= 0.95, f"only {within_one_step:.1%} of outputs within one step"
     # The comparison is not vacuous: the float model (QAT modules back to float,
     # no fake quant) is further away than a step.
     float_model = copy.deepcopy(prepared)

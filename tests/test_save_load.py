@@ -10,9 +10,8 @@ import io
 
 import pytest
 import torch
-from kernel_cases import BACKENDS, CASES, build
-
-pytest.importorskip("qcore_fbgemm")
+from backends import backend_params, requires_fbgemm
+from kernel_cases import CASES, build
 
 # One case per kernel module with state (packed weights, norm buffers, qparams).
 STATEFUL = [
@@ -36,7 +35,7 @@ def _run(model, inputs):
     return output[0] if isinstance(output, tuple) else output
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backend_params())
 @pytest.mark.parametrize("name", STATEFUL)
 def test_state_dict_loads_into_a_fresh_conversion(name, backend):
     case = CASES[name]
@@ -50,7 +49,7 @@ def test_state_dict_loads_into_a_fresh_conversion(name, backend):
     )
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backend_params())
 @pytest.mark.parametrize("name", STATEFUL)
 def test_torch_save_and_load_of_the_whole_model(name, backend):
     built = build(CASES[name], backend)
@@ -63,6 +62,7 @@ def test_torch_save_and_load_of_the_whole_model(name, backend):
     )
 
 
+@requires_fbgemm
 def test_zoo_cnn_round_trips_through_torch_save():
     from zoo import ZOO
 
