@@ -20,7 +20,7 @@ from typing import Any, TextIO
 import torch
 
 from qcore.config.errors import QCoreWarning
-from qcore.examples import EVAL_SEED, ZOO, ZooEntry
+from qcore.examples import EVAL_SEED, ZOO, ZooEntry, export_batch_free
 from qcore.plugin import NATIVE, BackendLoadError, default_registry
 
 __all__ = ["DemoResult", "run_demo"]
@@ -127,10 +127,11 @@ def _quantize_fx(backend: str, entry: ZooEntry, model: torch.nn.Module, progress
 def _quantize_pt2e(backend: str, entry: ZooEntry, model: torch.nn.Module, progress: _Progress):
     from qcore.pt2e import convert_pt2e, prepare_pt2e
 
-    exported = torch.export.export(model, entry.example_inputs()).module()
+    batches = list(entry.calibration_data(progress.total))
+    exported = export_batch_free(model, batches[0])
     prepared = prepare_pt2e(exported, backend)
     with torch.no_grad():
-        for batch in entry.calibration_data(progress.total):
+        for batch in batches:
             prepared(*batch)
             progress.step()
     return convert_pt2e(prepared)

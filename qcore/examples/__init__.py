@@ -14,11 +14,17 @@ CPU cores.
 from __future__ import annotations
 
 from qcore.examples import lstm, mlp, mobilenet, resnet, transformer
-from qcore.examples._common import CALIBRATION_SEED, EVAL_SEED, MODEL_SEED, ZooEntry
+from qcore.examples._common import (
+    CALIBRATION_SEED,
+    EVAL_SEED,
+    MODEL_SEED,
+    ZooEntry,
+    export_batch_free,
+)
 
 ZOO: dict[str, ZooEntry] = {
     entry.name: entry
     for entry in (resnet.ENTRY, mobilenet.ENTRY, mlp.ENTRY, transformer.ENTRY, lstm.ENTRY)
 }
 
-__all__ = ["CALIBRATION_SEED", "EVAL_SEED", "MODEL_SEED", "ZOO", "ZooEntry"]
+__all__ = ["CALIBRATION_SEED", "EVAL_SEED", "MODEL_SEED", "ZOO", "ZooEntry", "export_batch_free"]

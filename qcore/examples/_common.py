@@ -84,3 +84,18 @@ def settle_batchnorm(model: nn.Module, batches: list[tuple]) -> nn.Module:
     for norm in norms:
         norm.momentum = 0.1
     return model.eval()
+
+
+def export_batch_free(model: nn.Module, inputs: tuple) -> torch.fx.GraphModule:
+    """``torch.export`` ``model`` at ``inputs`` with dimension 0 (the batch) left free.
+
+    Exported at a batch of one, export specialises the batch size and its guards
+    refuse calibration batches of another; export at a batch of two or more.
+    """
+    import warnings
+
+    free_batch = tuple({0: torch.export.Dim.AUTO} for _ in inputs)
+    with warnings.catch_warnings():
+        # export's notice that nn.LSTM assigns its flat weights while it is traced
+        warnings.filterwarnings("ignore", "The tensor attributes", UserWarning)
+        return torch.export.export(model, inputs, dynamic_shapes=free_batch).module()
