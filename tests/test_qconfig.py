@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from backends import installed
 from torch.ao.quantization import QConfig as AOQConfig
 from torch.ao.quantization import QConfigMapping as AOQConfigMapping
 from torch.ao.quantization import get_default_qat_qconfig_mapping, get_default_qconfig_mapping
@@ -184,3 +185,34 @@ def test_dict_round_trip_and_torch_ao_dict_form():
     assert [k for k, _ in ao_dict["object_type"]] == [k for k, _ in m.to_dict()["object_type"]]
     assert as_qconfig_mapping(ao_dict).to_dict().keys() == m.to_dict().keys()
     assert "QConfigMapping (" in repr(m) and "module_name_object_type_order_qconfigs" in repr(m)
+
+
+@pytest.mark.skipif(not installed("fbgemm"), reason="needs the fbgemm plugin")
+def test_fused_modules_with_different_qconfigs_are_explained():
+    """torch.ao raises here; qcore keeps the fused conv-relu float and says why."""
+    import qcore
+
+    class ConvReLU(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3)
+            self.relu = torch.nn.ReLU()
+
+        def forward(self, x):
+            return self.relu(self.conv(x))
+
+    per_channel = QConfig(
+        activation=qc.HistogramObserver,
+        weight=qc.PerChannelMinMaxObserver.with_args(
+            dtype=torch.qint8, qscheme=torch.per_channel_symmetric
+        ),
+    )
+    mapping = default_qconfig_mapping("fbgemm").set_object_type(torch.nn.Conv2d, per_channel)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qcore.QCoreWarning)
+        prepared = qcore.prepare_fx(
+            ConvReLU().eval(), mapping, (torch.randn(1, 3, 8, 8),), backend="fbgemm"
+        )
+    entry = qcore.explain(prepared)["conv"]
+    assert entry.status.value == "float"
+    assert "conv, relu" in entry.reason and "different QConfigs" in entry.reason

@@ -146,6 +146,8 @@ def annotate_with_backend_config(
             continue
         seen.add(id(match))
         qconfig, reason = _match_qconfig(match, qconfigs)
+        if qconfig is None and fusion_notes.get(match.root):
+            reason = fusion_notes[match.root]  # its parts' QConfigs differ: say so
         dtype_config = None
         if reason is None:
             dtype_config, rejections = find_accepting_dtype_config(match.config, qconfig)
