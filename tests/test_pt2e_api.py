@@ -245,6 +245,25 @@ def test_an_exported_program_is_accepted():
     assert any(n.op == "call_module" for n in prepared.graph.nodes)
 
 
+@pytest.mark.parametrize("lower", [False, True])
+def test_converted_model_keeps_no_float_copy_of_folded_weights(lower):
+    if not installed("fbgemm"):
+        pytest.skip("needs the fbgemm plugin")
+    model = make_small()
+    prepared = qcore.prepare_pt2e(exported(model), "fbgemm")
+    prepared(X)
+    converted = qcore.convert_pt2e(prepared, lower=lower)
+    state = converted.state_dict()
+    float_bytes = sum(v.numel() * v.element_size() for v in state.values() if v.is_floating_point())
+    int8_elements = sum(v.numel() for v in state.values() if v.dtype == torch.int8)
+    weights = sum(m.weight.numel() for m in (model.conv, model.fc))
+    # Weights once, as int8 (lowered: inside the kernels); in float only biases and qparams.
+    assert int8_elements == weights, sorted(state)
+    assert float_bytes < 4 * weights / 4, {k: v.dtype for k, v in state.items()}
+    with torch.no_grad():
+        assert sqnr(model(X), converted(X)) > 15
+
+
 def test_reference_form_runs_under_torch_compile():
     model = make_small()
     prepared = qcore.prepare_pt2e(exported(model), OwnQuantizer())

@@ -138,10 +138,34 @@ def convert_reference(prepared: GraphModule) -> GraphModule:
             _replace_observer(gm, node, observer, full_range=state.full_range)
     gm.graph.eliminate_dead_code()
     gm.delete_all_unused_submodules()
+    _delete_unused_constants(gm)
     gm.recompile()
     gm.meta[PT2E_STATE_KEY] = state
     gm.meta[REPORT_KEY] = _reference_report(prepared.meta.get(REPORT_KEY), gm, state)
     return gm
+
+
+def _delete_unused_constants(gm: GraphModule) -> None:
+    """Drop the parameters and buffers no ``get_attr`` reads any more: the float
+    weights folded into integers, the integers a kernel packed. Tensors of modules
+    the graph calls are theirs to keep."""
+    read = {node.target for node in gm.graph.nodes if node.op == "get_attr"}
+    called = {node.target for node in gm.graph.nodes if node.op == "call_module"}
+    named = [
+        *gm.named_parameters(remove_duplicate=False),
+        *gm.named_buffers(remove_duplicate=False),
+    ]
+    for name, _ in named:
+        owner_name, _, attr = name.rpartition(".")
+        owner_path = owner_name.split(".") if owner_name else []
+        inside_called = any(
+            ".".join(owner_path[:depth]) in called for depth in range(1, len(owner_path) + 1)
+        )
+        if name in read or inside_called:
+            continue
+        owner = gm.get_submodule(owner_name) if owner_name else gm
+        if hasattr(owner, attr):
+            delattr(owner, attr)
 
 
 def _reference_report(prepared: Report | None, gm: GraphModule, state: Pt2eState) -> Report:
@@ -180,4 +204,6 @@ def convert_pt2e(model: GraphModule, lower: bool = True) -> GraphModule:
     for name, pattern in references.items():
         kept.append(Entry(name, pattern, Status.REFERENCE, "no kernel took it", pattern))
     gm.meta[REPORT_KEY] = Report(state.backend_name, kept)
-    return lower_to_kernels(gm, state.kernels, state.backend_name)
+    lowered = lower_to_kernels(gm, state.kernels, state.backend_name)
+    _delete_unused_constants(lowered)
+    return lowered
