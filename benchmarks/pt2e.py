@@ -96,11 +96,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=sorted(ZOO))
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--quantizer",
+        choices=["name", "compiled"],
+        default="name",
+        help="qcore's side: \"x86\" by name (the plugin's X86Quantizer, the default) or "
+        "the Quantizer compiled from x86's native BackendConfig",
+    )
     args = parser.parse_args()
     warnings.simplefilter("ignore")
-    ours = (qcore_quantizer, qcore.prepare_pt2e, qcore.convert_pt2e)
+    quantizer = qcore_quantizer if args.quantizer == "compiled" else lambda: "x86"
+    ours = (quantizer, qcore.prepare_pt2e, qcore.convert_pt2e)
     theirs = torchao_flow()
-    print(f"machine: {machine()}")
+    print(f"machine: {machine()}; qcore's quantizer: {args.quantizer}")
     header = ("model", "prepare qcore/ao", "convert qcore/ao", "latency qcore/ao")
     print(f"{header[0]:<18} {header[1]:>26} {header[2]:>26} {header[3]:>26}")
     for name in args.models:

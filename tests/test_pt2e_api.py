@@ -113,9 +113,14 @@ def test_backend_config_quantizer_explains_what_it_leaves_float():
         def forward(self, x):
             return torch.nn.functional.group_norm(x, 1)
 
-    prepared = qcore.prepare_pt2e(exported(WithNorm()), "x86")
+    compiled = BackendQuantizer.for_backend("x86")
+    prepared = qcore.prepare_pt2e(exported(WithNorm()), compiled)
     (entry,) = [e for e in qcore.explain(prepared) if e.status.name == "FLOAT"]
     assert "no pattern in backend 'x86' matches aten.group_norm" in entry.reason
+    # By name, the x86 plugin's own Quantizer gives its recipe's reason.
+    prepared = qcore.prepare_pt2e(exported(WithNorm()), "x86")
+    (entry,) = [e for e in qcore.explain(prepared) if e.status.name == "FLOAT"]
+    assert "x86 quantizes conv, linear, mul" in entry.reason
 
 
 class OwnQuantizer(Quantizer):

@@ -12,6 +12,7 @@ from zoo.baseline import sqnr
 import qcore
 from qcore import ops
 from qcore.observers import HistogramObserver, MinMaxObserver, PerChannelMinMaxObserver
+from qcore.pt2e import BackendQuantizer
 from qcore.quantizer import (
     ANNOTATION_KEY,
     DerivedQuantizationSpec,
@@ -295,22 +296,41 @@ def test_conv_relu_pattern_lowers_to_the_fused_kernel():
     assert sqnr(model(x), converted(x)) > 25
 
 
-def test_resnet18_like_end_to_end_by_backend_name():
-    pytest.importorskip("qcore_x86", reason="needs the x86 plugin")
+def _resnet_end_to_end(quantizer):
     entry = ZOO["resnet18_like"]
     model = entry.make_model()
     batch = entry.calibration_data(1)[0]
-    prepared = qcore.prepare_pt2e(torch.export.export(model, batch).module(), "x86")
+    prepared = qcore.prepare_pt2e(torch.export.export(model, batch).module(), quantizer)
     assert not nodes_of(prepared, aten.batch_norm)  # folded into the convolutions
     with torch.no_grad():
         for inputs in entry.calibration_data(8):
             prepared(*inputs)
     converted = qcore.convert_pt2e(prepared)
-    report = qcore.explain(converted)
-    kernels = [e.kernel for e in report if e.kernel]
-    assert len(kernels) == 21  # 20 convolutions and the classifier
-    assert {"x86.conv2d_relu", "x86.conv2d", "x86.linear"} <= set(kernels)
     evals = entry.calibration_data(4, seed=EVAL_SEED)
     with torch.no_grad():
         score = sum(sqnr(model(*b), converted(*b)) for b in evals) / len(evals)
+    return qcore.explain(converted), score
+
+
+def test_resnet18_like_end_to_end_by_backend_name():
+    """By name: the x86 plugin's X86Quantizer (oneDNN's recipe, torchao's parity)."""
+    pytest.importorskip("qcore_x86", reason="needs the x86 plugin")
+    report, score = _resnet_end_to_end("x86")
+    kernels = [e.kernel for e in report if e.kernel]
+    # The convolutions whose output is quantized: the stem, the first conv of each
+    # block and the 3 downsampling ones. A block's second conv feeds a residual add
+    # in float (the recipe fuses conv-add-relu), so it stays in reference form.
+    assert len(kernels) == 12, str(report)
+    assert {"x86.conv2d_relu", "x86.conv2d"} == set(kernels)
+    assert all(e.reason for e in report.reference), str(report)
+    assert score > 25, score
+
+
+def test_resnet18_like_end_to_end_with_the_compiled_backend_config():
+    """The x86 native BackendConfig compiled into a Quantizer quantizes every output."""
+    pytest.importorskip("qcore_x86", reason="needs the x86 plugin")
+    report, score = _resnet_end_to_end(BackendQuantizer.for_backend("x86"))
+    kernels = [e.kernel for e in report if e.kernel]
+    assert len(kernels) == 21, str(report)  # 20 convolutions and the classifier
+    assert {"x86.conv2d_relu", "x86.conv2d", "x86.linear"} <= set(kernels)
     assert score > 20, score

@@ -65,10 +65,12 @@ def qcore_default_qconfig_mapping(backend: str, is_qat: bool) -> Any | None:
 
 
 @hookspec(firstresult=True)
-def qcore_backend_quantizer(backend: str) -> Any | None:
+def qcore_backend_quantizer(backend: str, is_qat: bool) -> Any | None:
     """A hand-written PT2E Quantizer for ``backend``, or None.
 
-    Called when the PT2E path asks for ``backend``'s quantizer. A Quantizer
-    returned here takes precedence over the one qcore compiles from the
-    backend's BackendConfig. The first non-None answer wins.
+    Called when ``prepare_pt2e`` (``is_qat=False``) or ``prepare_qat_pt2e``
+    (``is_qat=True``) is given the backend's name. A Quantizer returned here
+    takes precedence over the one qcore compiles from the backend's
+    BackendConfig. The first non-None answer wins. As with every hook, an
+    implementation may leave out the arguments it does not use.
     """

@@ -116,9 +116,9 @@ class Backend:
         """The first contributing plugin's default QConfigMapping, or None."""
         return self._registry._first_answer(self, "qcore_default_qconfig_mapping", is_qat=is_qat)
 
-    def quantizer(self) -> Any | None:
+    def quantizer(self, is_qat: bool = False) -> Any | None:
         """A plugin's hand-written PT2E Quantizer for this backend, or None."""
-        return self._registry._first_answer(self, "qcore_backend_quantizer")
+        return self._registry._first_answer(self, "qcore_backend_quantizer", is_qat=is_qat)
 
 
 class BackendRegistry:
@@ -298,9 +298,14 @@ class BackendRegistry:
         plugin.state, plugin.obj = PluginState.LOADED, obj
 
     def _hookimpl(self, plugin: Plugin, hook_name: str) -> Callable | None:
+        """The plugin's implementation of the hook, called with the arguments it
+        declares (pluggy's rule: an implementation may take fewer than the spec)."""
         for impl in getattr(self._manager.hook, hook_name).get_hookimpls():
             if impl.plugin is plugin.obj:
-                return impl.function
+                function, wanted = impl.function, set(impl.argnames)
+                return lambda **kwargs: function(
+                    **{name: value for name, value in kwargs.items() if name in wanted}
+                )
         return None
 
     def _call(self, plugin: Plugin, hook_name: str, item_type: type) -> list:

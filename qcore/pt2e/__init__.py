@@ -6,9 +6,12 @@
 ...     prepared(*batch)
 >>> converted = qcore.convert_pt2e(prepared)
 >>> print(qcore.explain(converted))
+
+A Quantizer of one's own explains an op it leaves in float by setting
+``node.meta[REASON_KEY]`` to the reason; ``qcore.explain`` shows it.
 """
 
-from qcore.pt2e.backend_quantizer import BackendQuantizer
+from qcore.pt2e.backend_quantizer import REASON_KEY, BackendQuantizer
 from qcore.pt2e.convert import convert_pt2e
 from qcore.pt2e.graph import AnnotationError
 from qcore.pt2e.prepare import prepare_pt2e, prepare_qat_pt2e
@@ -16,6 +19,7 @@ from qcore.pt2e.prepare import prepare_pt2e, prepare_qat_pt2e
 __all__ = [
     "AnnotationError",
     "BackendQuantizer",
+    "REASON_KEY",
     "convert_pt2e",
     "prepare_pt2e",
     "prepare_qat_pt2e",

@@ -55,7 +55,7 @@ def resolve_quantizer(quantizer: Any, is_qat: bool) -> tuple[Quantizer, str, tup
         from qcore.plugin import get_backend
 
         backend = get_backend(quantizer)
-        own = backend.quantizer()
+        own = backend.quantizer(is_qat=is_qat)
         if own is not None and not isinstance(own, Quantizer):
             raise TypeError(
                 f"backend {backend.name!r}: qcore_backend_quantizer returned {describe(own)}; "

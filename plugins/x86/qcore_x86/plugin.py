@@ -36,3 +36,14 @@ def qcore_default_qconfig_mapping(backend, is_qat):
     from qcore.config.qconfig import default_qconfig_mapping
 
     return default_qconfig_mapping(BACKEND, is_qat=is_qat)
+
+
+@hookimpl
+def qcore_backend_quantizer(backend, is_qat):
+    """oneDNN's int8 recipe for PT2E (``qcore_x86.quantizer``), in place of the one
+    qcore compiles from the native config, which quantizes every pattern's output."""
+    if backend != BACKEND:
+        return None
+    from qcore_x86.quantizer import X86Quantizer
+
+    return X86Quantizer(is_qat=is_qat)

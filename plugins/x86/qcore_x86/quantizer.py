@@ -1,0 +1,212 @@
+"""The x86 backend's own PT2E Quantizer: quantize where int8 pays off on oneDNN.
+
+qcore compiles any BackendConfig into a Quantizer; torch.ao's native x86 config,
+which this plugin also ships, quantizes the output of every pattern it knows.
+On x86 that costs accuracy for no speed: oneDNN runs conv and linear with fused
+post-ops (relu, hardswish, a residual add) on int8 inputs and float or int8
+outputs. This Quantizer follows that recipe, the one torchao's
+X86InductorQuantizer implements, so that ``prepare_pt2e(model, "x86")`` matches
+it (tests/test_pt2e_peers.py):
+
+1. conv1d/conv2d/linear: the activation input (uint8, histogram) and the weight
+   (int8, symmetric per output channel) are quantized; the bias stays float.
+   A following post-op joins the pattern: for a conv relu, hardtanh (relu6),
+   hardswish or silu, or a residual add (whose other input is quantized too)
+   with an optional relu; for a linear relu, leaky_relu, tanh, gelu, or an add
+   (other input float) with an optional relu. A batch norm between them
+   (QAT, before folding) is part of the pattern.
+2. mul of two same-shaped tensors: both inputs quantized. matmul stays float,
+   as in torchao's default recipe.
+3. max/avg pooling, adaptive average pooling, cat and flatten run on int8 when
+   every input comes out of a quantized pattern (flatten only when a quantizable
+   op consumes it); their output then shares their input's qparams.
+
+Outputs are quantized only where a consumer's input is. Every op it leaves in
+float gets a reason in ``qcore.explain``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from qcore import HistogramObserver, PerChannelMinMaxObserver
+from qcore.pt2e import REASON_KEY
+from qcore.quantizer import (
+    ANNOTATION_KEY,
+    QuantizationAnnotation,
+    QuantizationSpec,
+    Quantizer,
+    SharedQuantizationSpec,
+)
+
+__all__ = ["X86Quantizer"]
+
+aten = torch.ops.aten
+
+WEIGHTED = {aten.conv1d, aten.conv2d, aten.linear}
+CONV_POST_OPS = {aten.relu, aten.relu_, aten.hardtanh, aten.hardtanh_, aten.hardswish}
+CONV_POST_OPS |= {aten.hardswish_, aten.silu, aten.silu_}
+LINEAR_POST_OPS = {aten.relu, aten.relu_, aten.leaky_relu, aten.leaky_relu_, aten.tanh}
+LINEAR_POST_OPS |= {aten.tanh_, aten.gelu}
+RESIDUAL_ADDS = {aten.add, aten.add_}
+RELUS = {aten.relu, aten.relu_}
+BATCH_NORMS = {aten.batch_norm, aten._native_batch_norm_legit_no_training}
+INT8_IN_INT8_OUT = {
+    aten.max_pool2d,
+    aten.avg_pool2d,
+    aten.adaptive_avg_pool2d,
+    aten.cat,
+    aten.flatten,
+}
+# What a flatten must feed to run on int8 (matmul included: it could take int8).
+QUANTIZABLE = WEIGHTED | INT8_IN_INT8_OUT | {aten.mul, aten.matmul}
+
+# Why an op stays float, by what it is.
+NOT_IN_RECIPE = (
+    "x86 quantizes conv, linear, mul and the pooling/cat/flatten that follow them; "
+    "this op runs in float between them"
+)
+ADD_NOT_AFTER_WEIGHTED = (
+    "x86 quantizes an add only fused after the conv or linear that produces one input"
+)
+INPUT_NOT_QUANTIZED = (
+    "runs on int8 only when every input comes out of a quantized op; one input is float"
+)
+FLATTEN_FEEDS_NO_QUANTIZED_OP = "no quantized op consumes its output, so it stays float"
+
+
+def _op(node: Node):
+    target = node.target if node.op == "call_function" else None
+    return getattr(target, "overloadpacket", None)
+
+
+def _only_user(node: Node) -> Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _is_tensor(value) -> bool:
+    return isinstance(value, Node) and isinstance(value.meta.get("val"), torch.Tensor)
+
+
+class X86Quantizer(Quantizer):
+    """oneDNN's int8 recipe for torch.export graphs (see the module docstring).
+
+    Example::
+
+        >>> prepared = qcore.prepare_pt2e(exported, "x86")         # uses this Quantizer
+        >>> prepared = qcore.prepare_pt2e(exported, X86Quantizer())  # the same
+    """
+
+    backend_name = "x86"
+
+    def __init__(self, *, is_qat: bool = False) -> None:
+        self.is_qat = is_qat
+        extra = {"eps": 2**-12}
+        if is_qat:
+            from qcore import FusedMovingAvgObsFakeQuantize, MovingAveragePerChannelMinMaxObserver
+
+            activation_ctr = FusedMovingAvgObsFakeQuantize.with_args(**extra)
+            weight_ctr = FusedMovingAvgObsFakeQuantize.with_args(
+                observer=MovingAveragePerChannelMinMaxObserver, **extra
+            )
+        else:
+            activation_ctr = HistogramObserver.with_args(**extra)
+            weight_ctr = PerChannelMinMaxObserver.with_args(**extra)
+        self.activation = QuantizationSpec(
+            dtype=torch.uint8,
+            quant_min=0,
+            quant_max=255,
+            qscheme=torch.per_tensor_affine,
+            observer_or_fake_quant_ctr=activation_ctr,
+        )
+        self.weight = QuantizationSpec(
+            dtype=torch.int8,
+            quant_min=-128,
+            quant_max=127,
+            qscheme=torch.per_channel_symmetric,
+            ch_axis=0,
+            observer_or_fake_quant_ctr=weight_ctr,
+        )
+
+    # -- annotate ------------------------------------------------------------------
+
+    def annotate(self, model: GraphModule) -> GraphModule:
+        self._outputs: set[Node] = set()  # ends of quantized patterns: int8-capable outputs
+        self._done: set[Node] = set()
+        nodes = list(model.graph.nodes)
+        for node in nodes:
+            if _op(node) in WEIGHTED and node not in self._done:
+                self._weighted_pattern(node)
+        for node in nodes:
+            if _op(node) is aten.mul and node not in self._done:
+                self._mul(node)
+        for node in nodes:
+            if _op(node) in INT8_IN_INT8_OUT and node not in self._done:
+                self._propagate(node)
+        for node in nodes:
+            if node.op == "call_function" and node not in self._done:
+                reason = ADD_NOT_AFTER_WEIGHTED if _op(node) in RESIDUAL_ADDS else NOT_IN_RECIPE
+                node.meta.setdefault(REASON_KEY, reason)
+        return model
+
+    def _annotate(self, node: Node, inputs: dict, output=None, *, ends_pattern=False) -> None:
+        node.meta[ANNOTATION_KEY] = QuantizationAnnotation(
+            input_qspec_map=inputs, output_qspec=output, _annotated=True
+        )
+        self._done.add(node)
+        if ends_pattern:
+            self._outputs.add(node)
+
+    def _weighted_pattern(self, root: Node) -> None:
+        activation, weight = root.args[0], root.args[1]
+        self._annotate(root, {activation: self.activation, weight: self.weight})
+        is_conv = _op(root) is not aten.linear
+        end = root
+        if _op(_only_user(end) or root) in BATCH_NORMS:  # QAT: the batch norm trains
+            end = _only_user(end)
+            self._annotate(end, {})
+        post_ops = CONV_POST_OPS if is_conv else LINEAR_POST_OPS
+        user = _only_user(end)
+        if user is not None and _op(user) in post_ops and user not in self._done:
+            self._annotate(user, {})
+            end = user
+        elif user is not None and _op(user) in RESIDUAL_ADDS and user not in self._done:
+            other = next((a for a in user.args[:2] if a is not end), None)
+            if _is_tensor(other) and list(user.args[:2]).count(end) == 1:
+                # oneDNN adds a conv's residual in int8; a linear's in float.
+                self._annotate(user, {other: self.activation} if is_conv else {})
+                end = user
+                relu = _only_user(end)
+                if relu is not None and _op(relu) in RELUS and relu not in self._done:
+                    self._annotate(relu, {})
+                    end = relu
+        self._outputs.add(end)
+
+    def _mul(self, node: Node) -> None:
+        first, second = node.args[0], node.args[1]
+        if not (_is_tensor(first) and _is_tensor(second)):
+            node.meta[REASON_KEY] = "x86 quantizes mul of two tensors (not by a scalar)"
+            return
+        if first.meta["val"].shape != second.meta["val"].shape:
+            node.meta[REASON_KEY] = "x86 quantizes mul of two tensors of the same shape only"
+            return
+        inputs = {first: self.activation}
+        if second is not first:
+            inputs[second] = self.activation
+        self._annotate(node, inputs, ends_pattern=True)
+
+    def _propagate(self, node: Node) -> None:
+        op = _op(node)
+        if op is aten.flatten and not any(_op(user) in QUANTIZABLE for user in node.users):
+            node.meta[REASON_KEY] = FLATTEN_FEEDS_NO_QUANTIZED_OP
+            return
+        inputs = list(node.args[0]) if op is aten.cat else [node.args[0]]
+        if not all(isinstance(i, Node) and i in self._outputs for i in inputs):
+            node.meta[REASON_KEY] = INPUT_NOT_QUANTIZED
+            return
+        first = inputs[0]
+        shared = SharedQuantizationSpec((first, node))
+        specs = {first: self.activation}
+        specs.update({other: shared for other in inputs[1:] if other not in specs})
+        self._annotate(node, specs, shared, ends_pattern=True)
