@@ -39,7 +39,8 @@ class DemoResult:
     int8_ms: float = float("nan")
     float_bytes: int = 0
     int8_bytes: int = 0
-    float_ops: list[str] = field(default_factory=list)
+    float_ops: dict[str, list[str]] = field(default_factory=dict)
+    """What stayed in float: reason -> the nodes ("name (op)") it applies to."""
     error: str = ""
 
     @property
@@ -166,7 +167,8 @@ def _measure(
     result.ops_total = len(ops)
     result.ops_on_kernels = len(report.quantized)
     result.ops_quantized = len(report.quantized) + len(report.reference)
-    result.float_ops = [f"{e.node} ({e.op}): {e.reason}" for e in report.float]
+    for stayed in report.float:
+        result.float_ops.setdefault(stayed.reason, []).append(f"{stayed.node} ({stayed.op})")
     evals = entry.calibration_data(4, seed=EVAL_SEED)
     with torch.no_grad():
         scores = [sqnr(_first_tensor(model(*b)), _first_tensor(converted(*b))) for b in evals]
@@ -280,6 +282,6 @@ def run_demo(
         stream.write("\nWhat stayed in float, and why:\n")
         for result in floats:
             stream.write(f"  {result.backend} / {result.model} ({result.path}):\n")
-            for line in result.float_ops:
-                stream.write(f"    {line}\n")
+            for reason, nodes in result.float_ops.items():
+                stream.write(f"    {reason}:\n      {', '.join(nodes)}\n")
     return results

@@ -21,7 +21,7 @@ from qcore.engine.explain import REPORT_KEY, Entry, Report, Status
 from qcore.engine.observe import ObserverPlan, insert_observers
 from qcore.pt2e.backend_quantizer import PATTERN_KEY, REASON_KEY, BackendQuantizer
 from qcore.pt2e.fold import fold_conv_bn
-from qcore.pt2e.graph import annotations_of, as_exported_module
+from qcore.pt2e.graph import annotations_of, as_exported_module, is_tensor_node
 from qcore.pt2e.patterns import packet
 from qcore.quantizer.quantizer import Quantizer
 
@@ -121,7 +121,8 @@ def _report(gm: GraphModule, backend: str, observer_names: set[str]) -> Report:
     entries = []
     for node in gm.graph.nodes:
         op = str(packet(node) or node.target)
-        if node.op != "call_function":
+        if node.op != "call_function" or "val" in node.meta and not is_tensor_node(node):
+            # Graph inputs, observers, and ops on sizes or integers (nothing to quantize).
             kind = "observer" if node.target in observer_names else op
             entries.append(Entry(node.name, kind, Status.NOT_AN_OP))
         elif node.meta.get(PATTERN_KEY) or node.meta.get("quantization_annotation"):

@@ -40,10 +40,13 @@ class _IntegerKernel(torch.nn.Module):
         (activation,), output = match.inputs, match.output
         weight_scale = weight_qparams.scale.double().flatten().expand(out_channels)
         accumulator_scale = activation.scale * weight_scale
+        multiplier = accumulator_scale / output.scale
         bias = layer.bias if layer.bias is not None else torch.zeros(out_channels)
-        self.register_buffer("weight", reference.integer_weight(weight_name).double())
-        self.register_buffer("bias_int32", torch.round(bias.detach().double() / accumulator_scale))
-        self.register_buffer("multiplier", accumulator_scale / output.scale)
+        # What the chip stores: int8 weights, an int32 bias, one multiplier per channel.
+        self.register_buffer("weight_int8", reference.integer_weight(weight_name).to(torch.int8))
+        bias_int32 = torch.round(bias.detach().double() / accumulator_scale).to(torch.int32)
+        self.register_buffer("bias_int32", bias_int32)
+        self.register_buffer("multiplier", multiplier.float())
         self.input_zero_point = activation.zero_point
         self.scale, self.zero_point = output.scale, output.zero_point
         # relu is free in the requantizer: clamp at the output's zero point.
@@ -53,16 +56,15 @@ class _IntegerKernel(torch.nn.Module):
     def layer_of(module: torch.nn.Module) -> torch.nn.Module:
         return module[0] if isinstance(module, torch.nn.Sequential) else module
 
-    def accumulate(self, x: torch.Tensor) -> torch.Tensor:
+    def accumulate(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         centred = x.int_repr().double() - self.input_zero_point
-        accumulator = self.accumulate(centred)
+        accumulator = self.accumulate(centred, self.weight_int8.double())
         per_channel = (1, -1) + (1,) * (accumulator.dim() - 2)
-        requantized = torch.round(
-            (accumulator + self.bias_int32.view(per_channel)) * self.multiplier.view(per_channel)
-        )
+        biased = accumulator + self.bias_int32.view(per_channel)
+        requantized = torch.round(biased * self.multiplier.double().view(per_channel))
         q = (requantized + self.zero_point).clamp(self.quant_min, 255).to(torch.uint8)
         return torch._make_per_tensor_quantized_tensor(q, self.scale, self.zero_point)
 
@@ -70,8 +72,8 @@ class _IntegerKernel(torch.nn.Module):
 class IntegerLinear(_IntegerKernel):
     """``nn.Linear`` on the chip."""
 
-    def accumulate(self, x: torch.Tensor) -> torch.Tensor:
-        accumulator = F.linear(x, self.weight)
+    def accumulate(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        accumulator = F.linear(x, weight)
         # Keep the channel axis second, as the requantizer expects.
         return accumulator.reshape(-1, accumulator.shape[-1])
 
@@ -99,8 +101,8 @@ class IntegerConv2d(_IntegerKernel):
         self.stride, self.padding = conv.stride, conv.padding
         self.dilation, self.groups = conv.dilation, conv.groups
 
-    def accumulate(self, x: torch.Tensor) -> torch.Tensor:
-        return F.conv2d(x, self.weight, None, self.stride, self.padding, self.dilation, self.groups)
+    def accumulate(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(x, weight, None, self.stride, self.padding, self.dilation, self.groups)
 
     @classmethod
     def lower(cls, match) -> IntegerConv2d:
