@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-import math
 import os
 import socket
 import time
@@ -421,26 +420,35 @@ def test_without_a_process_group_is_a_clear_error():
         qcore.sync_observers(prepared)
 
 
-def test_rebinning_index_is_bucketize_exactly():
-    """HistogramObserver's re-binning (what merging costs) finds bins arithmetically;
-    it must agree with torch.bucketize everywhere, edges included."""
-    from qcore.observers.histogram import _bin_of
+def test_rebinning_puts_each_part_where_bucketize_does():
+    """HistogramObserver re-bins (what merging costs) by counting parts before each
+    new edge; it must give what a bucketize of every part's middle gives, including
+    ranges where middles fall exactly on new edges."""
+    from qcore.observers.histogram import HistogramObserver
 
     generator = torch.Generator().manual_seed(3)
-    for _ in range(300):
-        lo = float(torch.randn(1, generator=generator)) * 100
-        span = float(torch.rand(1, generator=generator)) * 10 ** int(
-            torch.randint(-5, 4, (1,), generator=generator)
+    for trial in range(200):
+        bins = int(torch.randint(1, 3000, (1,), generator=generator))
+        observer = HistogramObserver(bins=bins)
+        rate = observer.upsample_rate
+        hist = torch.rand(bins, generator=generator) * 100
+        lo = torch.tensor(float(torch.randn(1, generator=generator)) * 100)
+        exponent = int(torch.randint(-4, 3, (1,), generator=generator))
+        # A span float32 can hold at lo (a single value is re-binned by histc instead).
+        hi = lo + float(torch.rand(1, generator=generator)) * 10**exponent + lo.abs() * 1e-5
+        grow = float(torch.rand(1, generator=generator)) * float(hi - lo)
+        # Every third range unchanged or grown by whole old bins: edges on part middles.
+        new_lo, new_hi = [
+            (lo - grow, hi + grow / 3),
+            (lo, hi),
+            (lo - (hi - lo) / bins * 3, hi),
+        ][trial % 3]
+        parts = bins * rate
+        middles = torch.linspace(lo, hi, parts + 1)[:-1] + 0.5 * (hi - lo) / parts
+        new_edges = torch.linspace(new_lo, new_hi, bins + 1)
+        where = (torch.bucketize(middles, new_edges, right=True) - 1).clamp(0, bins - 1)
+        expected = torch.bincount(
+            where, weights=hist.repeat_interleave(rate) / rate, minlength=bins
         )
-        bins = int(torch.randint(1, 4096, (1,), generator=generator))
-        edges = torch.linspace(lo, lo + span + 1e-30, bins + 1)
-        values = torch.cat(
-            [
-                lo - 0.1 * span + torch.rand(256, generator=generator) * span * 1.2,
-                edges,
-                edges.nextafter(torch.tensor(math.inf)),
-                edges.nextafter(torch.tensor(-math.inf)),
-            ]
-        )
-        expected = (torch.bucketize(values, edges, right=True) - 1).clamp(0, bins - 1)
-        assert torch.equal(_bin_of(values, edges), expected), (lo, span, bins)
+        actual = observer._rebin(hist, lo, hi, new_lo, new_hi)
+        torch.testing.assert_close(actual, expected.float(), rtol=0, atol=1e-5 * float(hist.sum()))

@@ -88,24 +88,6 @@ def _candidates(csum: list[float], total: float, bins: int):
             b = lo
 
 
-def _bin_of(values: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
-    """``torch.bucketize(values, edges, right=True) - 1`` clamped to the bins, for evenly
-    spaced ``edges``: an arithmetic guess corrected by one bin against the edges
-    (bucketize's binary search is most of the cost of re-binning; same result)."""
-    last = edges.numel() - 2
-    scale = (last + 1) / (edges[-1] - edges[0])
-    where = ((values - edges[0]) * scale).floor_().nan_to_num_(0.0).clamp_(0, last).long()
-    below = values < edges.index_select(0, where)
-    above = values >= edges.index_select(0, where + 1)
-    where = (where - below.long() + above.long()).clamp_(0, last)
-    lower = edges.index_select(0, where)
-    upper = edges.index_select(0, where + 1)
-    wrong = ((values < lower) & (where > 0)) | ((values >= upper) & (where < last))
-    if bool(wrong.any()):  # a guess more than one bin off (degenerate ranges): search
-        where = (torch.bucketize(values, edges, right=True) - 1).clamp_(0, last)
-    return where
-
-
 class HistogramObserver(UniformQuantizationObserverBase):
     """Records a ``bins``-bin histogram of the observed values; ``calculate_qparams``
     picks the range minimizing the L2 quantization error, then qparams as
@@ -159,17 +141,28 @@ class HistogramObserver(UniformQuantizationObserverBase):
         self, hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, new_lo, new_hi
     ) -> torch.Tensor:
         """``hist`` over [lo, hi] re-binned over [new_lo, new_hi] ⊇ [lo, hi]: each bin
-        split in ``upsample_rate`` parts, each part's mass put where its middle falls."""
+        split in ``upsample_rate`` parts, each part's mass put in the new bin its middle
+        falls in (``torch.bucketize(middle, new_edges, right=True) - 1``, clamped).
+
+        The parts are in order, so a new bin holds a run of them: counting the parts
+        before each new edge (a search per edge) and differencing the cumulative mass
+        costs O(bins) per edge instead of a bin lookup per part."""
         if lo == hi:  # a single value: all the mass in its bin
             return torch.histc(lo, bins=self.bins, min=new_lo, max=new_hi) * hist.sum()
-        rate = self.upsample_rate
-        parts = hist.repeat_interleave(rate) / rate
-        width = (hi - lo) / (self.bins * rate)
-        edges = torch.linspace(lo, hi, self.bins * rate + 1, device=lo.device)
-        middles = edges[:-1].to(hist.device) + 0.5 * width
-        new_edges = torch.linspace(new_lo, new_hi, self.bins + 1, device=lo.device)
-        where = _bin_of(middles, new_edges.to(hist.device))
-        return torch.bincount(where, weights=parts, minlength=self.bins)
+        rate, bins = self.upsample_rate, self.bins
+        parts = bins * rate
+        width = (hi - lo) / parts
+        edges = torch.linspace(lo, hi, parts + 1, device=lo.device)
+        middles = (edges[:-1] + 0.5 * width).to(hist.device)
+        new_edges = torch.linspace(new_lo, new_hi, bins + 1, device=lo.device).to(hist.device)
+        # Parts before each inner edge; clamping puts the rest in the first and last bins.
+        before = torch.searchsorted(middles, new_edges[1:-1], right=False)
+        before = torch.cat([before.new_zeros(1), before, before.new_full((1,), parts)])
+        mass = hist.double()
+        cumulative = torch.cat([mass.new_zeros(1), mass.cumsum(0)])
+        whole, part = before // rate, before % rate
+        through = cumulative[whole] + part * mass[whole.clamp(max=bins - 1)] / rate
+        return (through[1:] - through[:-1]).clamp_(min=0).to(hist.dtype)
 
     def _store(self, hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
         self.histogram.detach_().resize_(hist.shape).copy_(hist)
