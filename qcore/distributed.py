@@ -50,6 +50,7 @@ its share of them). See ``benchmarks/distributed_merge.py``.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import time
@@ -449,37 +450,13 @@ def _merge_moving_averages(
     return merged
 
 
-def _load_histogram(target: nn.Module, hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
-    for name, value in (("histogram", hist), ("min_val", lo), ("max_val", hi)):
-        buffer = getattr(target, name)
-        buffer.detach_().resize_(value.shape).copy_(value)
-
-
-def _accumulator(module: nn.Module, cache: dict) -> nn.Module:
-    """An observer whose ``merge`` combines histograms: a copy of ``module`` if it has
-    one (qcore's HistogramObserver), else qcore's HistogramObserver with its bins.
-    One per class, bins and upsampling rate; its state is overwritten on each use."""
-    rate = getattr(module, "upsample_rate", None)
-    key = (type(module), module.bins, rate)
-    if key not in cache:
-        if callable(getattr(module, "merge", None)):
-            cache[key] = copy.deepcopy(module)
-        else:
-            from qcore.observers.histogram import HistogramObserver
-
-            scratch = HistogramObserver(bins=module.bins)
-            scratch.upsample_rate = rate or scratch.upsample_rate
-            cache[key] = scratch
-    return cache[key]
-
-
 def _merge_histograms(observers: list[_Observer], comm: _Comm) -> dict[str, tuple]:
     """One all_gather of every rank's [min, max, histogram...] for all histogram
-    observers; rank ``i % world`` merges observer ``i`` (HistogramObserver.merge, in
-    rank order); one all_gather of the merged results."""
+    observers; rank ``i % world`` merges observer ``i`` (as HistogramObserver.merge, in
+    rank order, all its observers of one size at once); one all_gather of the results."""
     if not observers:
         return {}
-    from qcore.observers.histogram import HistogramObserver
+    from qcore.observers.histogram_merge import merge_rows
 
     dtype = torch.float32
     for obs in observers:
@@ -490,34 +467,37 @@ def _merge_histograms(observers: list[_Observer], comm: _Comm) -> dict[str, tupl
         parts += [module.min_val.detach().reshape(1), module.max_val.detach().reshape(1)]
         parts.append(module.histogram.detach().reshape(-1))
     local = torch.cat([p.to(dtype) for p in parts]).to(comm.device)
-    gathered = [t.cpu() for t in comm.all_gather(local, "gathering histograms")]
+    gathered = torch.stack([t.cpu() for t in comm.all_gather(local, "gathering histograms")])
 
     sizes = [obs.numel + 2 for obs in observers]
     offsets = [0]
     for size in sizes:
         offsets.append(offsets[-1] + size)
-    share_sizes = [
-        sum(sizes[i] for i in range(r, len(observers), comm.world)) for r in range(comm.world)
-    ]
-    share = torch.zeros(max(share_sizes), dtype=dtype)  # this rank's merged histograms
-    filled = 0
-    others: dict[int, HistogramObserver] = {}
-    accumulators: dict = {}
-    for index in range(comm.rank, len(observers), comm.world):
-        obs, start, end = observers[index], offsets[index], offsets[index + 1]
-        bins = obs.numel
-        acc = _accumulator(obs.module, accumulators)
-        row = gathered[0][start:end]
-        _load_histogram(acc, row[2:].to(acc.histogram.dtype), row[0], row[1])
-        other = others.setdefault(bins, HistogramObserver(bins=bins))
+    mine = list(range(comm.rank, len(observers), comm.world))
+    # This rank's observers by (bins, upsampling rate): each group merges as one batch.
+    groups: dict[tuple[int, int], list[int]] = {}
+    for index in mine:
+        module = observers[index].module
+        rate = getattr(module, "upsample_rate", None) or 16
+        groups.setdefault((observers[index].numel, rate), []).append(index)
+    merged_rows: dict[int, torch.Tensor] = {}
+    for (bins, rate), indices in groups.items():
+        starts = torch.tensor([offsets[i] for i in indices])
+        columns = starts[:, None] + torch.arange(bins + 2)
+        rows = gathered[:, columns]  # (world, observers, 2 + bins)
+        hist, lo, hi = rows[0, :, 2:], rows[0, :, 0], rows[0, :, 1]
         for rank in range(1, comm.world):
-            row = gathered[rank][start:end]
-            _load_histogram(other, row[2:], row[0], row[1])
-            acc.merge(other)
-        share[filled] = acc.min_val.detach().reshape(())
-        share[filled + 1] = acc.max_val.detach().reshape(())
-        share[filled + 2 : filled + 2 + bins] = acc.histogram.detach()
-        filled += bins + 2
+            other = rows[rank]
+            hist, lo, hi = merge_rows(hist, lo, hi, other[:, 2:], other[:, 0], other[:, 1], rate)
+        together = torch.cat([lo[:, None], hi[:, None], hist], dim=1)
+        merged_rows.update(zip(indices, together, strict=True))
+    share_size = max(
+        sum(sizes[i] for i in range(r, len(observers), comm.world)) for r in range(comm.world)
+    )
+    share = torch.zeros(share_size, dtype=dtype)  # this rank's merged histograms
+    if mine:
+        filled = torch.cat([merged_rows[index] for index in mine])
+        share[: filled.numel()] = filled
     results = [t.cpu() for t in comm.all_gather(share.to(comm.device), "sharing merged histograms")]
 
     merged = {}
@@ -593,7 +573,15 @@ def sync_observers(
         "error": problem,
     }
     comm.check_presence()
-    payloads = comm.all_gather_json(payload, "comparing the ranks' observers")
+    # Ranks agree in the common case: compare digests first, whole lists only if they
+    # differ (to name the first differing observer) or a rank reports a problem.
+    encoded = json.dumps(payload, sort_keys=True).encode()
+    digest = [hashlib.sha256(encoded).hexdigest(), problem is not None]
+    digests = comm.all_gather_json(digest, "comparing the ranks' observers")
+    if all(d == [digest[0], False] for d in digests):
+        payloads = [payload] * comm.world
+    else:
+        payloads = comm.all_gather_json(payload, "comparing the ranks' observers")
     _check_same(payloads)
 
     by_kind: dict[str, list[_Observer]] = {kind: [] for kind in _MERGED}

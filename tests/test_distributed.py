@@ -422,8 +422,8 @@ def test_without_a_process_group_is_a_clear_error():
 
 def test_rebinning_puts_each_part_where_bucketize_does():
     """HistogramObserver re-bins (what merging costs) by counting parts before each
-    new edge; it must give what a bucketize of every part's middle gives, including
-    ranges where middles fall exactly on new edges."""
+    new edge; it must give what a bucketize of every part's middle (torch.ao's) gives,
+    including ranges where middles fall exactly on new edges."""
     from qcore.observers.histogram import HistogramObserver
 
     generator = torch.Generator().manual_seed(3)

@@ -334,3 +334,36 @@ def test_default_observers_mirror_torch_ao(name):
         a, b = ours(), theirs()
     for attr in ("dtype", "qscheme", "quant_min", "quant_max", "is_dynamic"):
         assert getattr(a, attr, None) == getattr(b, attr, None), attr
+
+
+def test_merging_many_histograms_at_once_equals_merging_one_by_one():
+    """qcore.sync_observers merges rows together (histogram_merge.merge_rows); the
+    result is HistogramObserver.merge's, row by row, unobserved rows included."""
+    from qcore.observers import HistogramObserver
+    from qcore.observers.histogram_merge import merge_rows
+
+    generator = torch.Generator().manual_seed(5)
+    pairs = []
+    for index in range(12):
+        mine, theirs = HistogramObserver(bins=64), HistogramObserver(bins=64)
+        if index % 4 != 1:  # row 1, 5, 9: never observed here
+            mine(torch.randn(50, generator=generator) * (index + 1))
+        if index % 4 != 2:  # row 2, 6, 10: never observed there
+            theirs(torch.randn(50, generator=generator) * 2 + index)
+        if index % 4 == 3:  # one value seen
+            theirs = HistogramObserver(bins=64)
+            theirs(torch.full((5,), float(index)))
+        pairs.append((mine, theirs))
+
+    def stacked(observers):
+        return (
+            torch.stack([o.histogram for o in observers]),
+            torch.stack([o.min_val for o in observers]),
+            torch.stack([o.max_val for o in observers]),
+        )
+
+    together = merge_rows(*stacked([m for m, _ in pairs]), *stacked([t for _, t in pairs]), rate=16)
+    for row, (mine, theirs) in enumerate(pairs):
+        mine.merge(theirs)
+        torch.testing.assert_close(together[0][row], mine.histogram)
+        assert together[1][row] == mine.min_val and together[2][row] == mine.max_val

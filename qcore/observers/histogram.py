@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from qcore.observers.base import _PER_TENSOR, EPS, UniformQuantizationObserverBase
+from qcore.observers.histogram_merge import merge_rows, rebin_rows
 
 __all__ = ["HistogramObserver"]
 
@@ -140,29 +141,11 @@ class HistogramObserver(UniformQuantizationObserverBase):
     def _rebin(
         self, hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, new_lo, new_hi
     ) -> torch.Tensor:
-        """``hist`` over [lo, hi] re-binned over [new_lo, new_hi] ⊇ [lo, hi]: each bin
-        split in ``upsample_rate`` parts, each part's mass put in the new bin its middle
-        falls in (``torch.bucketize(middle, new_edges, right=True) - 1``, clamped).
-
-        The parts are in order, so a new bin holds a run of them: counting the parts
-        before each new edge (a search per edge) and differencing the cumulative mass
-        costs O(bins) per edge instead of a bin lookup per part."""
-        if lo == hi:  # a single value: all the mass in its bin
-            return torch.histc(lo, bins=self.bins, min=new_lo, max=new_hi) * hist.sum()
-        rate, bins = self.upsample_rate, self.bins
-        parts = bins * rate
-        width = (hi - lo) / parts
-        edges = torch.linspace(lo, hi, parts + 1, device=lo.device)
-        middles = (edges[:-1] + 0.5 * width).to(hist.device)
-        new_edges = torch.linspace(new_lo, new_hi, bins + 1, device=lo.device).to(hist.device)
-        # Parts before each inner edge; clamping puts the rest in the first and last bins.
-        before = torch.searchsorted(middles, new_edges[1:-1], right=False)
-        before = torch.cat([before.new_zeros(1), before, before.new_full((1,), parts)])
-        mass = hist.double()
-        cumulative = torch.cat([mass.new_zeros(1), mass.cumsum(0)])
-        whole, part = before // rate, before % rate
-        through = cumulative[whole] + part * mass[whole.clamp(max=bins - 1)] / rate
-        return (through[1:] - through[:-1]).clamp_(min=0).to(hist.dtype)
+        """``hist`` over [lo, hi] re-binned over [new_lo, new_hi] ⊇ [lo, hi]
+        (``qcore.observers.histogram_merge``: each bin split in ``upsample_rate``
+        parts, each part's mass put where its middle falls)."""
+        row = [torch.as_tensor(v).reshape(1) for v in (lo, hi, new_lo, new_hi)]
+        return rebin_rows(hist[None], *row, self.upsample_rate)[0]
 
     def _store(self, hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
         self.histogram.detach_().resize_(hist.shape).copy_(hist)
@@ -212,9 +195,10 @@ class HistogramObserver(UniformQuantizationObserverBase):
             raise ValueError(
                 f"cannot merge a {other.bins}-bin histogram into a {self.bins}-bin one"
             )
-        if other.min_val == float("inf") or other.max_val == float("-inf"):
-            return
-        self._add(other.histogram.detach(), other.min_val.detach(), other.max_val.detach())
+        mine = (self.histogram[None], self.min_val.reshape(1), self.max_val.reshape(1))
+        theirs = (other.histogram[None], other.min_val.reshape(1), other.max_val.reshape(1))
+        hist, lo, hi = merge_rows(*mine, *(t.detach() for t in theirs), self.upsample_rate)
+        self._store(hist[0], lo.reshape(self.min_val.shape), hi.reshape(self.max_val.shape))
 
     # -- the range search ----------------------------------------------------------
 
