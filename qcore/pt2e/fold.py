@@ -2,7 +2,7 @@
 
 torch.export keeps ``conv -> batch_norm`` apart; a backend runs them as one
 conv with adjusted weight and bias, so the weight is quantized after folding
-(as torchao's prepare_pt2e does).
+(as torchao's PT2E flow does).
 """
 
 from __future__ import annotations

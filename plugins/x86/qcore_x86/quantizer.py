@@ -163,9 +163,10 @@ class X86Quantizer(Quantizer):
         self._annotate(root, {activation: self.activation, weight: self.weight})
         is_conv = _op(root) is not aten.linear
         end = root
-        if _op(_only_user(end) or root) in BATCH_NORMS:  # QAT: the batch norm trains
-            end = _only_user(end)
-            self._annotate(end, {})
+        batch_norm = _only_user(root)
+        if batch_norm is not None and _op(batch_norm) in BATCH_NORMS:  # QAT: it trains
+            self._annotate(batch_norm, {})
+            end = batch_norm
         post_ops = CONV_POST_OPS if is_conv else LINEAR_POST_OPS
         user = _only_user(end)
         if user is not None and _op(user) in post_ops and user not in self._done:
