@@ -456,7 +456,7 @@ def _merge_histograms(observers: list[_Observer], comm: _Comm) -> dict[str, tupl
     rank order, all its observers of one size at once); one all_gather of the results."""
     if not observers:
         return {}
-    from qcore.observers.histogram_merge import merge_rows
+    from qcore.observers.histogram_merge import UPSAMPLE_RATE, merge_rows
 
     dtype = torch.float32
     for obs in observers:
@@ -478,7 +478,7 @@ def _merge_histograms(observers: list[_Observer], comm: _Comm) -> dict[str, tupl
     groups: dict[tuple[int, int], list[int]] = {}
     for index in mine:
         module = observers[index].module
-        rate = getattr(module, "upsample_rate", None) or 16
+        rate = getattr(module, "upsample_rate", None) or UPSAMPLE_RATE
         groups.setdefault((observers[index].numel, rate), []).append(index)
     merged_rows: dict[int, torch.Tensor] = {}
     for (bins, rate), indices in groups.items():

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from qcore.observers.base import _PER_TENSOR, EPS, UniformQuantizationObserverBase
-from qcore.observers.histogram_merge import merge_rows, rebin_rows
+from qcore.observers.histogram_merge import UPSAMPLE_RATE, merge_rows, rebin_rows
 
 __all__ = ["HistogramObserver"]
 
@@ -134,7 +134,7 @@ class HistogramObserver(UniformQuantizationObserverBase):
         self.register_buffer("min_val", torch.tensor(float("inf"), **factory_kwargs))
         self.register_buffer("max_val", torch.tensor(float("-inf"), **factory_kwargs))
         self.dst_nbins = 2 ** torch.iinfo(dtype).bits
-        self.upsample_rate = 16  # finer bins when re-binning an old histogram
+        self.upsample_rate = UPSAMPLE_RATE  # finer bins when re-binning an old histogram
 
     # -- recording ---------------------------------------------------------------
 
@@ -152,22 +152,15 @@ class HistogramObserver(UniformQuantizationObserverBase):
         self.min_val.detach_().resize_(lo.shape).copy_(lo)
         self.max_val.detach_().resize_(hi.shape).copy_(hi)
 
-    def _add(self, hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, x=None) -> None:
-        """Merge a histogram over [lo, hi] (or, given ``x``, the values ``x``)."""
+    def _record(self, x: torch.Tensor, x_min: torch.Tensor, x_max: torch.Tensor) -> None:
+        """Add the values ``x`` (within [x_min, x_max]), growing the range as needed;
+        merging another histogram is :meth:`merge`."""
         if self.min_val == float("inf") or self.max_val == float("-inf"):
-            if x is not None:
-                hist = torch.histc(x, self.bins, min=lo, max=hi)
-            self._store(hist, lo, hi)
+            self._store(torch.histc(x, self.bins, min=x_min, max=x_max), x_min, x_max)
             return
-        new_lo = torch.min(self.min_val, lo).detach()
-        new_hi = torch.max(self.max_val, hi).detach()
-        if x is not None:
-            update = torch.histc(x, self.bins, min=new_lo, max=new_hi)
-        elif lo == new_lo and hi == new_hi:
-            update = hist
-        else:
-            update = self._rebin(hist, lo, hi, new_lo, new_hi)
-        update = update.to(self.histogram.device)
+        new_lo = torch.min(self.min_val, x_min).detach()
+        new_hi = torch.max(self.max_val, x_max).detach()
+        update = torch.histc(x, self.bins, min=new_lo, max=new_hi).to(self.histogram.device)
         if new_lo == self.min_val and new_hi == self.max_val:
             self._store(self.histogram + update, new_lo, new_hi)
         else:
@@ -185,7 +178,7 @@ class HistogramObserver(UniformQuantizationObserverBase):
             if x.numel() == 0:
                 return x_orig
             x_min, x_max = torch.aminmax(x)
-        self._add(None, x_min, x_max, x)
+        self._record(x, x_min, x_max)
         return x_orig
 
     def merge(self, other: HistogramObserver) -> None:

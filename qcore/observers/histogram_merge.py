@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["merge_rows", "rebin_rows"]
+__all__ = ["UPSAMPLE_RATE", "merge_rows", "rebin_rows"]
 
+#: Parts per bin when re-binning (torch.ao's HistogramObserver.upsample_rate).
+UPSAMPLE_RATE = 16
 _F64 = torch.float64
 
 
@@ -29,17 +31,19 @@ def _count_below(middles: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
     step = (middles[:, -1:].double() - first) / max(count - 1, 1)
     guess = ((edges.double() - first) / step).ceil_().nan_to_num_(0.0, count, 0.0)
     guess = guess.clamp_(0, count).long()
+
+    def misplaced(guess: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        too_high = (guess > 0) & (middles.gather(1, (guess - 1).clamp(min=0)) >= edges)
+        too_low = (guess < count) & (middles.gather(1, guess.clamp(max=count - 1)) < edges)
+        return too_high, too_low
+
     for _ in range(2):
-        below = middles.gather(1, (guess - 1).clamp(min=0)) >= edges
-        above = middles.gather(1, guess.clamp(max=count - 1)) < edges
-        too_high, too_low = (guess > 0) & below, (guess < count) & above
+        too_high, too_low = misplaced(guess)
         if not bool((too_high | too_low).any()):
             return guess
         guess = guess - too_high.long() + too_low.long()
-    unsettled = ((guess > 0) & (middles.gather(1, (guess - 1).clamp(min=0)) >= edges)) | (
-        (guess < count) & (middles.gather(1, guess.clamp(max=count - 1)) < edges)
-    )
-    rows = unsettled.any(dim=1)
+    too_high, too_low = misplaced(guess)
+    rows = (too_high | too_low).any(dim=1)
     guess[rows] = torch.searchsorted(middles[rows], edges[rows], right=False)
     return guess
 
@@ -98,10 +102,8 @@ def merge_rows(
     of their ranges, as :meth:`HistogramObserver.merge` does one at a time. A row never
     observed has ``lo = inf`` and ``hi = -inf``. Returns the new (hist, lo, hi)."""
     seen, other_seen = torch.isfinite(lo), torch.isfinite(other_lo)
-    new_lo = torch.where(seen, torch.minimum(lo, other_lo), other_lo)
-    new_hi = torch.where(seen, torch.maximum(hi, other_hi), other_hi)
-    new_lo = torch.where(other_seen, new_lo, lo)
-    new_hi = torch.where(other_seen, new_hi, hi)
+    # An unobserved side's (inf, -inf) drops out of the union by itself.
+    new_lo, new_hi = torch.minimum(lo, other_lo), torch.maximum(hi, other_hi)
     merged = hist.clone()
 
     def rebinned(rows, values, low, high):
