@@ -64,12 +64,18 @@ def _qparams(node: Node) -> ActivationQParams:
     torch_dtype = TORCH_QUANTIZED_DTYPE.get(dtype)
     if torch_dtype not in _8BIT:
         raise _Refused(f"torch's int8 kernels take 8-bit activations, not {dtype}")
-    if (quant_min, quant_max) != _8BIT[torch_dtype]:
+    full_range = _8BIT[torch_dtype]
+    quant_range = None if (quant_min, quant_max) == full_range else (quant_min, quant_max)
+    return ActivationQParams(float(scale), int(zero_point), torch_dtype, quant_range)
+
+
+def _check_output_range(output: ActivationQParams | None, honored: bool) -> None:
+    if output is not None and output.quant_range is not None and not honored:
+        low, high = output.quant_range
         raise _Refused(
-            f"activation range [{quant_min}, {quant_max}] is narrower than {torch_dtype}'s; "
-            "torch's kernels clamp to the full range"
+            f"output range [{low}, {high}] is narrower than {output.dtype}'s; "
+            "torch's int8 ops clamp to the full range"
         )
-    return ActivationQParams(float(scale), int(zero_point), torch_dtype)
 
 
 def _element_matches(element: Any, node: Node, modules: dict) -> bool:
@@ -215,6 +221,7 @@ class _Lowering:
         if isinstance(result, SameOp):
             if len(chain) != 1 or quantize is None:
                 raise _Refused("SameOp needs one op with a quantized output")
+            _check_output_range(match.output, honored=result.produces == match.output)
             self._wire_inputs(root)
             produced = root
             if result.produces != match.output:
@@ -226,6 +233,7 @@ class _Lowering:
         returns_quantized = getattr(result, "returns_quantized", True)
         if returns_quantized and quantize is None:
             raise _Refused("the kernel returns int8 but the reference keeps the output float")
+        _check_output_range(match.output, getattr(result, "honors_quant_range", False))
         self._install(root, result)
         self._collapse(chain)
         self._wire_inputs(root)
@@ -280,8 +288,17 @@ class _Lowering:
         if key not in self.quantized:
             with self.graph.inserting_before(quantize):
                 scale, zero_point = self._qparams_attrs(f"{source.name}_input", qparams)
+                value = source
+                if qparams.quant_range is not None:  # torch quantizes to the full range
+                    bounds = self._tensors_for(
+                        f"{source.name}_input",
+                        low=(qparams.quant_range[0] - qparams.zero_point) * qparams.scale,
+                        high=(qparams.quant_range[1] - qparams.zero_point) * qparams.scale,
+                    )
+                    value = self.graph.call_function(torch.clamp, (source, *bounds))
+                    self.inserted.add(value)
                 new = self.graph.call_function(
-                    torch.quantize_per_tensor, (source, scale, zero_point, qparams.dtype)
+                    torch.quantize_per_tensor, (value, scale, zero_point, qparams.dtype)
                 )
             self.inserted.add(new)
             self.quantized[key] = new
@@ -293,16 +310,21 @@ class _Lowering:
         return self._buffers_for(hint, qparams.scale, qparams.zero_point)
 
     def _buffers_for(self, hint: str, scale: float, zero_point: int) -> tuple[Node, Node]:
+        return self._tensors_for(
+            hint,
+            scale=torch.tensor(scale, dtype=torch.float64),
+            zero_point=torch.tensor(zero_point, dtype=torch.long),
+        )
+
+    def _tensors_for(self, hint: str, **values: Any) -> tuple[Node, ...]:
+        """get_attr nodes of new buffers ``{hint}_{key}`` holding ``values``."""
         names = []
-        for suffix, value in (
-            ("scale", torch.tensor(scale, dtype=torch.float64)),
-            ("zero_point", torch.tensor(zero_point, dtype=torch.long)),
-        ):
+        for suffix, value in values.items():
             name, index = f"{hint}_{suffix}", 0
             while hasattr(self.gm, name):
                 index += 1
                 name = f"{hint}_{suffix}_{index}"
-            self.gm.register_buffer(name, value)
+            self.gm.register_buffer(name, torch.as_tensor(value))
             names.append(name)
         nodes = tuple(self.graph.get_attr(name) for name in names)
         self.inserted.update(nodes)

@@ -9,7 +9,10 @@ modules, the qparams of the quantized inputs and of the output) and calls
 * a ``torch.nn.Module`` called like the matched root op, with each quantized
   input given as a torch quantized tensor (dynamic kernels get the float input);
   it returns a torch quantized tensor, or a float one when its class sets
-  ``returns_quantized = False`` (dynamic and weight-only kernels); or
+  ``returns_quantized = False`` (dynamic and weight-only kernels). Where the
+  output's ``quant_range`` is narrowed, only a kernel that sets
+  ``honors_quant_range = True`` (its output never leaves that range) is taken:
+  torch's int8 ops clamp to the dtype's whole range; or
 * :class:`SameOp`: the matched op itself runs on torch quantized tensors
   (pooling, relu, shape ops), producing ``SameOp.produces`` qparams.
 
@@ -36,11 +39,16 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ActivationQParams:
-    """Per-tensor qparams of an activation at a kernel's boundary."""
+    """Per-tensor qparams of an activation at a kernel's boundary.
+
+    ``quant_range`` is (quant_min, quant_max) when the reference clamps to less
+    than the dtype's range (7-bit activations on CPUs without VNNI), else None.
+    """
 
     scale: float
     zero_point: int
     dtype: torch.dtype
+    quant_range: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
