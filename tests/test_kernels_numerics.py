@@ -8,7 +8,10 @@ of the output (plus float rounding).
 
 Legitimate differences, bounded differently:
 * dynamic linear: float output; the kernel quantizes its input on the fly like
-  the reference, so the outputs agree to float rounding (1e-4 relative).
+  the reference, so the outputs agree to float rounding (1e-4 relative). On a
+  CPU where fbgemm's int8 products saturate (x86 without VNNI) the fbgemm/x86
+  kernels quantize it to 7 bits (as torch.ao's dynamic modules always do) where
+  the reference uses 8: the bound is an SQNR of 30 dB.
 * dynamic LSTM/GRU: the kernels also quantize the hidden state at every step
   where the reference runs the float cell; the bound is an SQNR of 30 dB.
 * embeddings (weight-only): the same dequantized rows; float rounding.
@@ -23,6 +26,7 @@ from kernel_cases import CASES, build, output_scale
 
 import qcore
 from qcore.kernels import UNAVAILABLE
+from qcore.kernels.runtime import SATURATING_ENGINES, int8_products_saturate
 
 
 def _first(output):
@@ -55,7 +59,8 @@ def test_kernel_matches_reference(name, backend):
         actual = _first(built.converted(*built.inputs))
         expected = _first(built.reference(*built.inputs))
     assert actual.shape == expected.shape and not actual.is_quantized
-    if case.family == "rnn_dynamic":
+    seven_bit = case.mapping == "dynamic" and backend in SATURATING_ENGINES
+    if case.family == "rnn_dynamic" or (seven_bit and int8_products_saturate()):
         assert _sqnr(expected, actual) > 30
     elif case.mapping != "default":
         torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)

@@ -5,7 +5,9 @@ Linear becomes ``torch.ops.quantized.linear_dynamic`` (``linear_relu_dynamic``,
 ``torch.quantized_gru`` on cell parameters packed per layer and direction, the
 ops behind torch.ao.nn.quantized.dynamic. int8 kernels quantize their input on
 the fly to the range the reference's dynamic fake-quantize uses (``reduce_range``
-when it is 7-bit, fbgemm's overflow guard).
+when it is 7-bit, fbgemm's overflow guard). On a CPU where fbgemm's int8
+products saturate (x86 without VNNI) they always use 7 bits there, as torch.ao's
+dynamic modules always do: 8-bit inputs would be off by many steps.
 
 Rounding that legitimately differs from the reference: the recurrent kernels
 also quantize their hidden state and gate inputs at every step, where the
@@ -20,6 +22,7 @@ import torch
 from qcore.engine.reference import ReferenceModule, weighted_child
 from qcore.kernels.common import require
 from qcore.kernels.packed import PackedWeights
+from qcore.kernels.runtime import SATURATING_ENGINES, int8_products_saturate
 from qcore.plugin.kernels import KernelMatch, KernelUnavailable
 
 __all__ = ["DynamicLinear", "DynamicRNN"]
@@ -52,7 +55,8 @@ def _dynamic_reference(match: KernelMatch) -> tuple[ReferenceModule, bool, bool]
         or isinstance(weighted_child(reference.module), torch.nn.Linear),
         "per-channel recurrent weights",
     )
-    return reference, False, match.dynamic[0].reduce_range
+    saturates = match.engine in SATURATING_ENGINES and int8_products_saturate()
+    return reference, False, match.dynamic[0].reduce_range or saturates
 
 
 class DynamicLinear(PackedWeights):

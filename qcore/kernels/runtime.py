@@ -10,12 +10,20 @@ while qcore leaves the user's own warning filters untouched.
 from __future__ import annotations
 
 import contextlib
+import functools
+import platform
 import warnings
 from collections.abc import Iterator
 
 import torch
 
-__all__ = ["TORCH_QUANTIZED_DTYPE", "packing_engine", "quiet_quantized_tensors", "to_torch_qtensor"]
+__all__ = [
+    "TORCH_QUANTIZED_DTYPE",
+    "int8_products_saturate",
+    "packing_engine",
+    "quiet_quantized_tensors",
+    "to_torch_qtensor",
+]
 
 TORCH_QUANTIZED_DTYPE = {
     torch.quint8: torch.quint8,
@@ -27,6 +35,23 @@ TORCH_QUANTIZED_DTYPE = {
 }
 
 _spent = False
+
+SATURATING_ENGINES = ("fbgemm", "x86")
+"""Engines whose int8 kernels multiply u8*s8 pairs with 16-bit sums on x86."""
+
+
+@functools.cache
+def int8_products_saturate() -> bool:
+    """Whether fbgemm's and oneDNN's int8 kernels saturate on this CPU.
+
+    x86 CPUs without VNNI (or AMX) sum pairs of u8*s8 products in 16 bits
+    (``vpmaddubsw``): with activations above 127 the sums saturate and results
+    drift by many quantization steps. That is why torch.ao's fbgemm/x86 qconfigs
+    use ``reduce_range`` (7-bit activations). With VNNI the sums are 32-bit.
+    """
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return False
+    return not (torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def quiet_quantized_tensors() -> None:
