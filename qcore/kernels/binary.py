@@ -106,7 +106,10 @@ def lower_cat(match: KernelMatch):
     require(set(match.root.kwargs) <= {"dim"}, f"unexpected arguments {dict(match.root.kwargs)}")
     dtypes = {q.dtype for q in match.inputs} | {match.output.dtype}
     require(len(dtypes) == 1, f"inputs and output mix dtypes {sorted(map(str, dtypes))}")
-    return QuantizedCat(match.output)
+    kernel = QuantizedCat(match.output)
+    # Inputs in the output's own qparams are copied, never out of its range.
+    kernel.honors_quant_range = all(q == match.output for q in match.inputs)
+    return kernel
 
 
 class QuantizedMatmul(OutputKernel):

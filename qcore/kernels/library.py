@@ -33,7 +33,10 @@ __all__ = ["ENGINES", "UNAVAILABLE", "families", "kernels_for"]
 
 ENGINES = ("fbgemm", "qnnpack", "x86")
 
-RELU = (torch.nn.ReLU, F.relu, torch.relu, "relu")
+aten = torch.ops.aten
+
+# torch.export graphs (PT2E) call the aten overloads.
+RELU = (torch.nn.ReLU, F.relu, torch.relu, "relu", aten.relu.default, aten.relu_.default)
 
 #: family -> reason, per engine: torch 2.13 has no (working) such kernel for it.
 UNAVAILABLE: dict[str, dict[str, str]] = {
@@ -75,7 +78,8 @@ def families() -> list[tuple[str, list, object]]:
                 QuantizedConvTranspose.lower,
             ),
         ]
-    add, mul = (operator.add, torch.add), (operator.mul, torch.mul)
+    add = (operator.add, torch.add, aten.add.Tensor)
+    mul = (operator.mul, torch.mul, aten.mul.Tensor)
     relu_linear = functools.partial(QuantizedLinear.lower, relu=True)
     dynamic_relu = functools.partial(DynamicLinear.lower, relu=True)
     return [
@@ -91,8 +95,8 @@ def families() -> list[tuple[str, list, object]]:
         ("add", list(add), functools.partial(binary.lower_binary, op="add")),
         ("mul_relu", _with_relu(mul), functools.partial(binary.lower_binary, op="mul", relu=True)),
         ("mul", list(mul), functools.partial(binary.lower_binary, op="mul")),
-        ("cat", [torch.cat], binary.lower_cat),
-        ("matmul", [torch.matmul], binary.lower_matmul),
+        ("cat", [torch.cat, aten.cat.default], binary.lower_cat),
+        ("matmul", [torch.matmul, aten.matmul.default], binary.lower_matmul),
         (
             "batch_norm2d_relu",
             [nni.BNReLU2d, *_with_relu([torch.nn.BatchNorm2d])],
@@ -117,7 +121,11 @@ def families() -> list[tuple[str, list, object]]:
             ],
             norms.lower_instance_norm,
         ),
-        ("hardswish", [torch.nn.Hardswish, F.hardswish], activations.lower_hardswish),
+        (
+            "hardswish",
+            [torch.nn.Hardswish, F.hardswish, aten.hardswish.default, aten.hardswish_.default],
+            activations.lower_hardswish,
+        ),
         ("elu", [torch.nn.ELU, F.elu], activations.lower_elu),
         ("leaky_relu", [torch.nn.LeakyReLU, F.leaky_relu], activations.lower_leaky_relu),
         (
@@ -146,6 +154,8 @@ def families() -> list[tuple[str, list, object]]:
                 F.hardtanh,
                 torch.clamp,
                 "clamp",
+                aten.hardtanh.default,
+                aten.hardtanh_.default,
             ],
             activations.lower_clamp_like,
         ),

@@ -18,6 +18,8 @@ from qcore.plugin.kernels import KernelMatch, SameOp
 
 __all__ = ["AVERAGING_PATTERNS", "SELECTING_PATTERNS", "lower_averaging", "lower_selecting"]
 
+aten = torch.ops.aten
+
 SELECTING_PATTERNS = (
     torch.nn.MaxPool1d,
     torch.nn.MaxPool2d,
@@ -51,6 +53,15 @@ SELECTING_PATTERNS = (
     "repeat",
     "repeat_interleave",
     "detach",
+    # torch.export's aten ops (PT2E graphs)
+    aten.max_pool1d.default,
+    aten.max_pool2d.default,
+    aten.max_pool3d.default,
+    aten.flatten.using_ints,
+    aten.reshape.default,
+    aten.view.default,
+    aten.permute.default,
+    aten.transpose.int,
 )
 
 AVERAGING_PATTERNS = (
@@ -69,6 +80,9 @@ AVERAGING_PATTERNS = (
     F.interpolate,
     torch.mean,
     "mean",
+    aten.avg_pool2d.default,
+    aten.adaptive_avg_pool2d.default,
+    aten.mean.dim,
 )
 
 
