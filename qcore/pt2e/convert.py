@@ -3,7 +3,7 @@
 Activation observers become ``qcore.ops`` quantize -> dequantize pairs (the
 engine's shared conversion). Observers of constants (weights, biases) are
 folded: the integer tensor is stored and only its dequantize runs. With
-``lower=True``, each ``dequantize -> linear/conv [-> relu] -> quantize`` becomes a
+``lower=True``, each ``dequantize -> linear/conv [-> post-ops] [-> quantize]`` becomes a
 :class:`~qcore.engine.reference.ReferenceModule` and the backend's kernels
 replace it (``qcore.engine.lower``), as on the FX path.
 """
@@ -198,8 +198,8 @@ def convert_pt2e(model: GraphModule, lower: bool = True) -> GraphModule:
     if not lower:
         return gm
     state = _state_of(gm)
-    references = to_reference_modules(gm)
     report: Report = gm.meta[REPORT_KEY]
+    references = to_reference_modules(gm, {e.node for e in report.reference})
     kept = [e for e in report.entries if e.node in {n.name for n in gm.graph.nodes}]
     for name, pattern in references.items():
         kept.append(Entry(name, pattern, Status.REFERENCE, "no kernel took it", pattern))

@@ -66,7 +66,8 @@ def resolve_quantizer(quantizer: Any, is_qat: bool) -> tuple[Quantizer, str, tup
     if isinstance(quantizer, Quantizer):
         name = getattr(quantizer, "backend_name", None) or type(quantizer).__name__
         kernels: tuple = tuple(getattr(quantizer, "kernels", ()) or ())
-        if not kernels and isinstance(quantizer, BackendQuantizer):
+        if not kernels and getattr(quantizer, "backend_name", None):
+            # a backend's own Quantizer (X86Quantizer) lowers to that backend's kernels
             kernels = _installed_kernels(quantizer.backend_name)
         return quantizer, name, kernels
     raise TypeError(

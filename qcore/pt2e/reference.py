@@ -1,9 +1,13 @@
 """Weighted aten ops in reference form, as the ReferenceModules the kernels take.
 
-``dequantize(x) -> aten.conv2d(x, dequantize(w_int), bias) [-> relu] -> quantize``
+``dequantize(x) -> aten.conv2d(x, dequantize(w_int), bias) [-> relu] [-> quantize]``
 becomes one ``ReferenceModule`` around an equivalent float ``nn.Conv2d`` (or
 ``ConvReLU2d``) holding the same integer weight and qparams, so the FX path's
-kernels (``qcore.kernels``) lower it unchanged.
+kernels (``qcore.kernels``) lower it unchanged. Other post-ops the quantizer
+fused into the pattern (a residual add, then an activation such as hardtanh or
+gelu) make it a :class:`~qcore.pt2e.fused.WeightedWithPostOps`, called with
+the residual operand as its second input. Without a
+quantize after it, the output stays float (oneDNN's kernels can produce that).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from torch.fx import GraphModule, Node
 
 from qcore import ops
 from qcore.engine.reference import QParams, ReferenceModule
+from qcore.pt2e.fused import WeightedWithPostOps
 from qcore.pt2e.patterns import packet
 
 __all__ = ["to_reference_modules"]
@@ -25,6 +30,20 @@ aten = torch.ops.aten
 _RELU = {aten.relu, aten.relu_}
 _CONV = {aten.conv1d: 1, aten.conv2d: 2, aten.conv3d: 3}
 _CONV_RELU = {1: nni.ConvReLU1d, 2: nni.ConvReLU2d, 3: nni.ConvReLU3d}
+_ADDS = {aten.add, aten.add_}
+_ACTIVATIONS = {
+    aten.hardtanh: nn.Hardtanh,
+    aten.hardtanh_: nn.Hardtanh,
+    aten.hardswish: nn.Hardswish,
+    aten.hardswish_: nn.Hardswish,
+    aten.silu: nn.SiLU,
+    aten.silu_: nn.SiLU,
+    aten.leaky_relu: nn.LeakyReLU,
+    aten.leaky_relu_: nn.LeakyReLU,
+    aten.tanh: nn.Tanh,
+    aten.tanh_: nn.Tanh,
+    aten.gelu: nn.GELU,
+}
 
 
 def _is_call(node: Any, function: Any) -> bool:
@@ -103,7 +122,46 @@ def _float_module(op: Any, node: Node, weight: torch.Tensor, bias: Any) -> nn.Mo
     return module
 
 
-def _replace(gm: GraphModule, node: Node) -> tuple[str, str] | None:
+def _activation(node: Node) -> nn.Module | None:
+    """The module computing ``node``'s activation op, or None if it is not one."""
+    op, args, kwargs = packet(node), list(node.args[1:]), dict(node.kwargs)
+    if op in _RELU:
+        return nn.ReLU()
+    if op in _ACTIVATIONS:
+        return _ACTIVATIONS[op](*args, **kwargs)
+    return None
+
+
+def _post_ops(node: Node, fusable: set[str]) -> tuple[list[Node], Any, nn.Module | None]:
+    """(post-op nodes in order, the residual operand or None, the activation module).
+
+    Only ops the quantizer made part of the pattern (``fusable``) join it: a
+    residual add (the other operand any tensor), then an activation; or an
+    activation alone.
+    """
+    nodes, other, activation = [], None, None
+    tail = node
+    users = list(tail.users)
+    user = users[0] if len(users) == 1 and users[0].name in fusable else None
+    if user is not None and packet(user) in _ADDS and not user.kwargs:
+        operands = list(user.args[:2])
+        if len(user.args) == 2 and operands.count(tail) == 1:
+            other = operands[1] if operands[0] is tail else operands[0]
+            if isinstance(other, Node):
+                nodes.append(user)
+                tail = user
+                users = list(tail.users)
+                user = users[0] if len(users) == 1 and users[0].name in fusable else None
+            else:
+                other = None
+    if user is not None and (other is None or packet(user) in _RELU):
+        activation = _activation(user)
+        if activation is not None:
+            nodes.append(user)
+    return nodes, other, activation
+
+
+def _replace(gm: GraphModule, node: Node, fusable: set[str]) -> tuple[str, str] | None:
     op = packet(node)
     if op is not aten.linear and op not in _CONV:
         return None
@@ -113,42 +171,46 @@ def _replace(gm: GraphModule, node: Node) -> tuple[str, str] | None:
     bias = _bias(gm, bias_node)
     if not _is_call(x, ops.dequantize_per_tensor) or found is None or bias is False:
         return None
-    tail = node
-    users = list(node.users)
-    relu = len(users) == 1 and packet(users[0]) in _RELU
-    if relu:
-        tail = users[0]
+    post_nodes, other, activation = _post_ops(node, fusable)
+    tail = post_nodes[-1] if post_nodes else node
     users = list(tail.users)
-    if len(users) != 1 or not _is_call(users[0], ops.quantize_per_tensor):
-        return None
+    quantized = [u for u in users if _is_call(u, ops.quantize_per_tensor)]
+    if quantized and len(users) != 1:
+        return None  # used both quantized and in float: no single output form
     module = _float_module(op, node, found[0], bias)
     if module is None:
         return None
-    if relu:
-        dims = _CONV.get(op)
-        fused_class = nni.LinearReLU if op is aten.linear else _CONV_RELU[dims]
+    name = "weight"
+    if other is not None or not isinstance(activation, (nn.ReLU, type(None))):
+        module = WeightedWithPostOps(module, residual_add=other is not None, activation=activation)
+        name = "0.weight"
+    elif activation is not None:
+        fused_class = nni.LinearReLU if op is aten.linear else _CONV_RELU[_CONV[op]]
         module, name = fused_class(module, nn.ReLU()), "0.weight"
-    else:
-        name = "weight"
     reference = ReferenceModule(module, {name: found[1]}, type(module))
     target = f"{node.name}_reference"
     gm.add_submodule(target, reference)
     with gm.graph.inserting_before(tail):
-        replacement = gm.graph.call_module(target, (x,))
+        inputs = (x,) if other is None else (x, other)
+        replacement = gm.graph.call_module(target, inputs)
     replacement.meta["val"] = tail.meta.get("val")
     tail.replace_all_uses_with(replacement)
-    for dead in (tail, node) if relu else (node,):
+    for dead in [*reversed(post_nodes), node]:
         gm.graph.erase_node(dead)
     return replacement.name, type(module).__name__
 
 
-def to_reference_modules(gm: GraphModule) -> dict[str, str]:
-    """Replace the weighted patterns in place; returns {new node name: pattern}."""
+def to_reference_modules(gm: GraphModule, fusable: set[str]) -> dict[str, str]:
+    """Replace the weighted patterns in place; returns {new node name: pattern}.
+
+    ``fusable`` names the ops the quantizer made part of a quantized pattern:
+    only those join a weighted op as its post-ops.
+    """
     replaced = {}
     for node in list(gm.graph.nodes):
         if packet(node) not in _CONV and packet(node) is not aten.linear:
-            continue  # relu nodes a replacement erased are never looked at
-        found = _replace(gm, node)
+            continue  # post-op nodes a replacement erased are never looked at
+        found = _replace(gm, node, fusable)
         if found is not None:
             replaced[found[0]] = found[1]
     gm.graph.eliminate_dead_code()
