@@ -20,12 +20,14 @@ def qcore_backend_pattern_configs(backend):
 
 @hookimpl
 def qcore_backend_kernels(backend):
-    """qcore's int8 kernel library, packed for the x86 engine."""
+    """qcore's int8 kernel library packed for the x86 engine, then oneDNN's fused
+    kernels (``qcore_x86.onednn``) for what the library's refuse."""
     if backend != BACKEND:
         return None
     from qcore.kernels import kernels_for
+    from qcore_x86.onednn import onednn_kernels
 
-    return kernels_for("x86")
+    return [*kernels_for("x86"), *onednn_kernels()]
 
 
 @hookimpl

@@ -27,10 +27,12 @@ float gets a reason in ``qcore.explain``.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.fx import GraphModule, Node
 
-from qcore import HistogramObserver, PerChannelMinMaxObserver
+from qcore import HistogramObserver, PerChannelMinMaxObserver, QCoreWarning
 from qcore.pt2e import REASON_KEY
 from qcore.quantizer import (
     ANNOTATION_KEY,
@@ -39,6 +41,7 @@ from qcore.quantizer import (
     Quantizer,
     SharedQuantizationSpec,
 )
+from qcore_x86.onednn import cpu_has_vnni
 
 __all__ = ["X86Quantizer"]
 
@@ -92,6 +95,10 @@ def _is_tensor(value) -> bool:
 class X86Quantizer(Quantizer):
     """oneDNN's int8 recipe for torch.export graphs (see the module docstring).
 
+    ``reduce_range`` quantizes activations to 7 bits (0..127): the default on
+    CPUs without VNNI, where oneDNN's int8 products saturate with 8-bit ones
+    (torchao's ``reduce_range`` and torch.ao's x86 qconfig do the same).
+
     Example::
 
         >>> prepared = qcore.prepare_pt2e(exported, "x86")         # uses this Quantizer
@@ -100,8 +107,21 @@ class X86Quantizer(Quantizer):
 
     backend_name = "x86"
 
-    def __init__(self, *, is_qat: bool = False) -> None:
+    def __init__(self, *, is_qat: bool = False, reduce_range: bool | None = None) -> None:
+        if reduce_range is None:
+            reduce_range = not cpu_has_vnni()
+        if not isinstance(reduce_range, bool):
+            raise TypeError(f"reduce_range: got {reduce_range!r}; expected True, False or None")
+        if not reduce_range and not cpu_has_vnni():
+            warnings.warn(
+                "X86Quantizer(reduce_range=False) on a CPU without VNNI: int8 conv and "
+                "linear kernels saturate with 8-bit activations (errors of several "
+                "quantization steps); leave reduce_range unset to quantize them to 7 bits",
+                QCoreWarning,
+                stacklevel=2,
+            )
         self.is_qat = is_qat
+        self.reduce_range = reduce_range
         extra = {"eps": 2**-12}
         if is_qat:
             from qcore import FusedMovingAvgObsFakeQuantize, MovingAveragePerChannelMinMaxObserver
@@ -116,7 +136,7 @@ class X86Quantizer(Quantizer):
         self.activation = QuantizationSpec(
             dtype=torch.uint8,
             quant_min=0,
-            quant_max=255,
+            quant_max=127 if reduce_range else 255,
             qscheme=torch.per_tensor_affine,
             observer_or_fake_quant_ctr=activation_ctr,
         )

@@ -1,0 +1,254 @@
+"""x86's fused kernels on oneDNN (``torch.ops.onednn.*``).
+
+oneDNN runs an int8 conv or linear together with what follows it: an
+activation (relu, hardtanh, hardswish, silu; for linear also leaky_relu, tanh,
+gelu), a residual add with an optional relu, and an int8 or a float output.
+PT2E's x86 recipe (``qcore_x86.quantizer``) leaves exactly those intermediate
+values unquantized, so ``conv -> add -> relu`` is one oneDNN call here where
+torch's ``quantized`` ops need three, or leave it in float.
+
+These kernels take the shapes torch's ``quantized`` ops cannot: post-ops other
+than relu, a residual add, a float output, a 7-bit output range. They come after
+the kernel library (``qcore.kernels``) in the backend's list: a plain or relu
+conv/linear with a full-range int8 output runs there as fast, without converting
+its tensors.
+
+Why 7 bits: without VNNI, oneDNN (like fbgemm, and torch's ``quantized`` ops on
+either) sums pairs of u8*s8 products in 16 bits, which saturate once activations
+use the 8th bit. ``X86Quantizer`` quantizes activations to 7 bits on such CPUs
+(as torch.ao's x86 qconfig does with ``reduce_range``) and warns when told not to.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.ao.nn.intrinsic as nni
+from torch import nn
+
+from qcore.engine.reference import ReferenceModule, weighted_child
+from qcore.kernels.packed import PackedWeights
+from qcore.kernels.runtime import int8_products_saturate
+from qcore.plugin.kernels import ActivationQParams, Kernel, KernelMatch
+from qcore.pt2e.fused import WeightedWithPostOps
+
+__all__ = ["OnednnConv", "OnednnLinear", "cpu_has_vnni", "onednn_kernels"]
+
+ENGINE = "x86"
+
+
+def cpu_has_vnni() -> bool:
+    """Whether this CPU multiplies u8*s8 without 16-bit saturation (VNNI or AMX)."""
+    return not int8_products_saturate()
+
+
+def _unary(activation: nn.Module | None, linear: bool) -> tuple[str, list, str]:
+    """(oneDNN's post-op name, its scalars, its algorithm) for ``activation``."""
+    if activation is None:
+        return "none", [], ""
+    if isinstance(activation, nn.ReLU):
+        return "relu", [], ""
+    if isinstance(activation, nn.Hardtanh):
+        return "hardtanh", [float(activation.min_val), float(activation.max_val)], ""
+    if isinstance(activation, nn.Hardswish):
+        return "hardswish", [], ""
+    if isinstance(activation, nn.SiLU):
+        return "swish", [], ""
+    if linear and isinstance(activation, nn.LeakyReLU):
+        return "leaky_relu", [float(activation.negative_slope)], ""
+    if linear and isinstance(activation, nn.Tanh):
+        return "tanh", [], ""
+    if linear and isinstance(activation, nn.GELU):
+        return "gelu", [], activation.approximate
+    kind = "linear" if linear else "conv"
+    raise ValueError(f"oneDNN fuses no {type(activation).__name__} after a {kind}")
+
+
+def _as_uint8(x: torch.Tensor) -> torch.Tensor:
+    """The uint8 data of a torch quint8 tensor, without a copy."""
+    return torch.empty(0, dtype=torch.uint8).set_(
+        x.untyped_storage(), x.storage_offset(), x.size(), x.stride()
+    )
+
+
+class _OnednnWeighted(PackedWeights):
+    """What the conv and linear kernels share: qparams at both ends, the post-ops."""
+
+    honors_quant_range = True
+
+    def __init__(self, match: KernelMatch, linear: bool) -> None:
+        super().__init__(ENGINE)
+        reference = match.module
+        fused = reference.module
+        self.residual_add = isinstance(fused, WeightedWithPostOps) and fused.residual_add
+        activation = fused.activation if isinstance(fused, WeightedWithPostOps) else None
+        if isinstance(fused, (nni.ConvReLU1d, nni.ConvReLU2d, nni.ConvReLU3d, nni.LinearReLU)):
+            activation = nn.ReLU()
+        self.unary, self.unary_scalars, self.unary_algorithm = _unary(activation, linear)
+        x = match.inputs[0]
+        self.register_buffer("input_scale", torch.tensor(x.scale, dtype=torch.float64))
+        self.register_buffer("input_zero_point", torch.tensor(x.zero_point))
+        self.returns_quantized = match.output is not None
+        if match.output is not None:
+            self.scale, self.zero_point = match.output.scale, match.output.zero_point
+            self.quant_range = match.output.quant_range or (0, 255)
+        self.set_weight_from(reference)
+        if not self.weight_zero_point.eq(0).all():
+            raise ValueError("oneDNN takes symmetric weights (zero point 0)")
+        self.description = ""
+
+    def repack(self) -> None:
+        self._x = (float(self.input_scale), int(self.input_zero_point))
+        channels = self.weight_int.shape[0]
+        self._w_scale = self.weight_scale.float().expand(channels).contiguous()
+        self._w_zero_point = torch.zeros(channels, dtype=torch.int32)
+        super().repack()
+
+    def _output_args(self) -> tuple:
+        if self.returns_quantized:
+            return self.scale, self.zero_point, None
+        return 1.0, 0, torch.float32
+
+    def _finish(self, y: torch.Tensor) -> torch.Tensor:
+        if not self.returns_quantized:
+            return y
+        if self.quant_range != (0, 255):
+            y = y.clamp_(*self.quant_range)
+        return torch._make_per_tensor_quantized_tensor(y, self.scale, self.zero_point)
+
+    def extra_repr(self) -> str:
+        output = f"scale={self.scale}, zero_point={self.zero_point}"
+        if not self.returns_quantized:
+            output = "float output"
+        residual = "residual add, " if self.residual_add else ""
+        return f"{self.description}, {residual}post-op={self.unary}, {output}"
+
+
+# What torch 2.13's qconv_pointwise accepts after a conv of each dimensionality.
+_CONV_POST_OPS = {
+    1: ("none", "relu"),
+    2: ("none", "relu", "hardtanh", "hardswish", "swish"),
+    3: ("none",),
+}
+
+
+class OnednnConv(_OnednnWeighted):
+    """int8 conv1d/2d/3d with oneDNN post-ops (``_CONV_POST_OPS``); conv2d also with
+    a residual add (sum)."""
+
+    def __init__(self, match: KernelMatch) -> None:
+        super().__init__(match, linear=False)
+        conv = weighted_child(match.module.module)
+        if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+            raise ValueError("oneDNN's int8 conv takes explicit zero padding")
+        self.dims = len(conv.kernel_size)
+        self.stride, self.padding = list(conv.stride), list(conv.padding)
+        self.dilation, self.groups = list(conv.dilation), conv.groups
+        self.description = (
+            f"{conv.in_channels}, {conv.out_channels}, kernel_size={conv.kernel_size}"
+        )
+        if self.residual_add and self.dims != 2:
+            raise ValueError("oneDNN fuses a residual add into conv2d only")
+        if self.unary not in _CONV_POST_OPS[self.dims]:
+            raise ValueError(f"oneDNN fuses no {self.unary} into a conv{self.dims}d")
+        if self.residual_add and self.returns_quantized and len(match.inputs) != 2:
+            raise ValueError(
+                "an int8 output needs an int8 residual (oneDNN sums in the output's dtype)"
+            )
+        self.repack()
+
+    def pack(self):
+        return torch.ops.onednn.qconv_prepack(
+            self.weight_int, self._w_scale, *self._x,
+            self.stride, self.padding, self.dilation, self.groups, None,
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
+        weight = (self._packed, self._w_scale, self._w_zero_point, self.bias)
+        geometry = (self.stride, self.padding, self.dilation, self.groups)
+        if other is None:
+            y = torch.ops.onednn.qconv_pointwise(
+                _as_uint8(x), *self._x, *weight, *geometry, *self._output_args(),
+                self.unary, self.unary_scalars, self.unary_algorithm,
+            )  # fmt: skip
+            return self._finish(y)
+        # oneDNN sums into its accumulator in place: always a tensor of our own.
+        if self.returns_quantized:
+            accumulator = other.int_repr().contiguous(memory_format=torch.channels_last)
+            accumulated = (other.q_scale(), other.q_zero_point())
+        else:
+            accumulator = other.dequantize() if other.is_quantized else other.clone()
+            accumulator = accumulator.contiguous(memory_format=torch.channels_last)
+            accumulated = (1.0, 0)
+        y = torch.ops.onednn.qconv2d_pointwise.binary(
+            _as_uint8(x), *self._x, self._packed, self._w_scale, self._w_zero_point,
+            accumulator, self.bias, *geometry, *self._output_args(), *accumulated,
+            "sum", 1.0, self.unary, self.unary_scalars, self.unary_algorithm,
+        )  # fmt: skip
+        return self._finish(y)
+
+
+class OnednnLinear(_OnednnWeighted):
+    """int8 linear with oneDNN post-ops, or with a residual add (in float)."""
+
+    def __init__(self, match: KernelMatch) -> None:
+        super().__init__(match, linear=True)
+        linear = weighted_child(match.module.module)
+        self.description = f"in_features={linear.in_features}, out_features={linear.out_features}"
+        self.repack()
+
+    def pack(self):
+        return torch.ops.onednn.qlinear_prepack(self.weight_int, None)
+
+    def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
+        weight = (self._packed, self._w_scale, self._w_zero_point, self.bias)
+        if other is None:
+            y = torch.ops.onednn.qlinear_pointwise(
+                _as_uint8(x), *self._x, *weight, *self._output_args(),
+                self.unary, self.unary_scalars, self.unary_algorithm,
+            )  # fmt: skip
+            return self._finish(y)
+        addend = other.dequantize() if other.is_quantized else other
+        y = torch.ops.onednn.qlinear_pointwise.binary(
+            _as_uint8(x), *self._x, *weight[:3], addend, self.bias, *self._output_args(), 1.0, 0,
+            "add", 1.0, self.unary, self.unary_scalars, self.unary_algorithm,
+        )  # fmt: skip
+        return self._finish(y)
+
+
+def _check(match: KernelMatch, kind: tuple[type, ...]) -> None:
+    if not isinstance(match.module, ReferenceModule):
+        raise TypeError("expected a module with quantized weights")
+    weighted = weighted_child(match.module.module)
+    if not isinstance(weighted, kind):
+        raise ValueError(f"{type(weighted).__name__} is not a {kind[0].__name__[:-2]}")
+    if match.dynamic or not match.inputs:
+        raise ValueError("needs a statically quantized input")
+    x: ActivationQParams = match.inputs[0]
+    if x.dtype != torch.quint8:
+        raise ValueError(f"oneDNN's int8 kernels take quint8 activations, not {x.dtype}")
+
+
+def _lower(match: KernelMatch, kind: tuple[type, ...], kernel: type):
+    _check(match, kind)
+    return kernel(match)
+
+
+def onednn_kernels() -> list[Kernel]:
+    """x86's oneDNN kernels, tried after the kernel library's (see the module docstring)."""
+    convs = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    conv_patterns = [*convs, nni.ConvReLU1d, nni.ConvReLU2d]  # oneDNN: no relu after conv3d
+    linear_patterns = [nn.Linear, nni.LinearReLU]
+    conv = functools.partial(_lower, kind=convs, kernel=OnednnConv)
+    linear = functools.partial(_lower, kind=(nn.Linear,), kernel=OnednnLinear)
+    return [
+        *(
+            Kernel("x86.onednn_conv", p, ENGINE, conv)
+            for p in [*conv_patterns, WeightedWithPostOps]
+        ),
+        *(
+            Kernel("x86.onednn_linear", p, ENGINE, linear)
+            for p in [*linear_patterns, WeightedWithPostOps]
+        ),
+    ]

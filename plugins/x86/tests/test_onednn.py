@@ -1,0 +1,214 @@
+"""x86's oneDNN kernels against the reference form, through PT2E by name.
+
+Each case is one fused pattern of x86's recipe (conv or linear with its
+post-ops, a residual add, an int8 or a float output). The lowered model must
+run it on the named oneDNN kernel, and agree with ``convert_pt2e(lower=False)``:
+an int8 output within one quantization step, a float output to float rounding
+(oneDNN accumulates the same integers exactly).
+
+An int8 output is made observable by a 1x1 max pool (conv) or a cat of the
+output with itself (linear): both copy int8 values, so the model's output is
+the kernel's output dequantized.
+"""
+
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qcore
+from qcore_x86.onednn import cpu_has_vnni
+from qcore_x86.quantizer import X86Quantizer
+
+GEN = torch.Generator().manual_seed(0)
+
+
+class Conv(nn.Module):
+    def __init__(self, post, residual, int8_out):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.shortcut = nn.Conv2d(8, 8, 1)  # makes the residual an int8 pattern output
+        self.post, self.residual, self.int8_out = post, residual, int8_out
+
+    def forward(self, x):
+        shortcut = F.max_pool2d(self.shortcut(x), 1) if self.residual else None
+        y = self.conv(x)
+        if self.residual:
+            y = y + shortcut
+        y = self.post(y)
+        return F.max_pool2d(y, 1) if self.int8_out else y
+
+
+class Linear(nn.Module):
+    def __init__(self, post, residual, int8_out):
+        super().__init__()
+        self.fc = nn.Linear(16, 12)
+        self.post, self.residual, self.int8_out = post, residual, int8_out
+
+    def forward(self, x, other):
+        y = self.fc(x)
+        if self.residual:
+            y = y + other
+        y = self.post(y)
+        return torch.cat([y, y], dim=-1) if self.int8_out else y
+
+
+CONV_POSTS = {
+    "none": nn.Identity(),
+    "relu": nn.ReLU(),
+    "relu6": nn.ReLU6(),
+    "hardswish": nn.Hardswish(),
+    "silu": nn.SiLU(),
+}
+LINEAR_POSTS = {
+    "none": nn.Identity(),
+    "relu": nn.ReLU(),
+    "leaky_relu": nn.LeakyReLU(0.1),
+    "tanh": nn.Tanh(),
+    "gelu": nn.GELU(),
+}
+
+
+def _cases():
+    for kind, posts in (("conv", CONV_POSTS), ("linear", LINEAR_POSTS)):
+        for post in posts:
+            for int8_out in (True, False):
+                yield kind, post, False, int8_out
+        for int8_out in (True, False):
+            yield kind, "relu", True, int8_out
+            yield kind, "none", True, int8_out
+
+
+def _inputs(kind, n=4):
+    if kind == "conv":
+        return [(torch.randn(2, 8, 6, 6, generator=GEN),) for _ in range(n)]
+    return [
+        (torch.randn(3, 16, generator=GEN), torch.randn(3, 12, generator=GEN)) for _ in range(n)
+    ]
+
+
+def _quantize(kind, post, residual, int8_out, quantizer=None):
+    torch.manual_seed(0)
+    posts = CONV_POSTS if kind == "conv" else LINEAR_POSTS
+    model = (Conv if kind == "conv" else Linear)(posts[post], residual, int8_out).eval()
+    batches = _inputs(kind)
+    exported = torch.export.export(model, batches[0]).module()
+    prepared = qcore.prepare_pt2e(exported, quantizer or "x86")
+    with torch.no_grad():
+        for batch in batches:
+            prepared(*batch)
+    return prepared, batches
+
+
+def _kernels(converted):
+    return {entry.node: entry.kernel for entry in qcore.explain(converted).quantized}
+
+
+@pytest.mark.parametrize(("kind", "post", "residual", "int8_out"), list(_cases()))
+def test_onednn_kernel_matches_reference(kind, post, residual, int8_out):
+    prepared, batches = _quantize(kind, post, residual, int8_out)
+    reference = qcore.convert_pt2e(prepared, lower=False)
+    lowered = qcore.convert_pt2e(prepared)
+    name = "conv" if kind == "conv" else "fc"
+    taken = [k for node, k in _kernels(lowered).items() if node.startswith(name)]
+    # A plain or relu pattern with a full-range int8 output is the library's.
+    library = int8_out and not residual and post in ("none", "relu")
+    library = library and X86Quantizer().reduce_range is False
+    assert (
+        taken == [f"x86.{kind}2d" if kind == "conv" else "x86.linear"]
+        if library
+        else [f"x86.onednn_{kind}"]
+    ), _kernels(lowered)
+    with torch.no_grad():
+        for batch in _inputs(kind, 3):
+            expected, actual = reference(*batch), lowered(*batch)
+            if int8_out:
+                step = _output_step(lowered)
+                assert (expected - actual).abs().max() <= step * 1.0001
+            else:
+                torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+def _output_step(lowered) -> float:
+    """The scale of the last weighted kernel: the model's output copies its int8 values."""
+    weighted = [
+        lowered.get_submodule(n.target)
+        for n in lowered.graph.nodes
+        if n.op == "call_module" and hasattr(lowered.get_submodule(n.target), "weight_int")
+    ]
+    return weighted[-1].scale
+
+
+def test_resnet_block_runs_conv_add_relu_as_one_kernel():
+    prepared, batches = _quantize("conv", "relu", True, True)
+    lowered = qcore.convert_pt2e(prepared)
+    adds = [n for n in lowered.graph.nodes if "add" in str(n.target)]
+    assert adds == [], lowered.code
+    fused = [m for m in lowered.modules() if type(m).__name__ == "OnednnConv" and m.residual_add]
+    assert len(fused) == 1 and fused[0].unary == "relu"
+
+
+@pytest.mark.parametrize("kind", ["conv", "linear"])
+def test_state_dict_and_torch_save_round_trip(kind):
+    """A converted model's state_dict loads into a fresh conversion; each oneDNN
+    kernel survives torch.save/torch.load (torch.export's ``_guards_fn`` keeps the
+    whole exported module from pickling, with or without qcore)."""
+    prepared, batches = _quantize(kind, "relu", True, True)
+    lowered = qcore.convert_pt2e(prepared)
+    fresh = qcore.convert_pt2e(_quantize(kind, "relu", True, True)[0])  # other calibration
+    kernels = [(n, m) for n, m in lowered.named_modules() if type(m).__name__.startswith("Onednn")]
+    assert kernels
+    with torch.no_grad():
+        assert not torch.equal(fresh(*batches[0]), lowered(*batches[0]))
+    fresh.load_state_dict(lowered.state_dict())
+    with torch.no_grad():
+        for batch in batches:
+            assert torch.equal(fresh(*batch), lowered(*batch))
+    for name, kernel in kernels:
+        buffer = io.BytesIO()
+        torch.save(kernel, buffer)
+        buffer.seek(0)
+        setattr(fresh, name, torch.load(buffer, weights_only=False))
+    with torch.no_grad():
+        for batch in batches:
+            assert torch.equal(fresh(*batch), lowered(*batch))
+
+
+def test_forward_emits_no_warnings():
+    prepared, batches = _quantize("conv", "hardswish", True, True)
+    lowered = qcore.convert_pt2e(prepared)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            lowered(*batches[0])
+    assert [str(w.message) for w in caught] == []
+
+
+@pytest.mark.skipif(cpu_has_vnni(), reason="a CPU with VNNI takes 8-bit activations")
+def test_without_vnni_8bit_activations_warn_once_with_what_to_do():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        X86Quantizer(reduce_range=False)
+    messages = [str(w.message) for w in caught if issubclass(w.category, qcore.QCoreWarning)]
+    assert len(messages) == 1
+    assert "without VNNI" in messages[0] and "leave reduce_range unset" in messages[0]
+
+
+def test_default_reduce_range_does_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        X86Quantizer()
+        X86Quantizer(reduce_range=True)
+
+
+def test_reduce_range_defaults_to_what_the_cpu_needs():
+    assert X86Quantizer().reduce_range is (not cpu_has_vnni())
+    assert X86Quantizer(reduce_range=True).activation.quant_max == 127
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qcore.QCoreWarning)
+        assert X86Quantizer(reduce_range=False).activation.quant_max == 255
+    with pytest.raises(TypeError, match="reduce_range: got 'yes'"):
+        X86Quantizer(reduce_range="yes")
