@@ -4,7 +4,7 @@ Backends are plugins, found through the ``qcore.backends`` entry point group::
 
     >>> import qcore
     >>> qcore.list_backends()
-    ['fbgemm', 'native', 'qnnpack', 'x86']
+    ['fbgemm', 'native', 'onednn', 'qnnpack', 'x86']
     >>> config = qcore.get_backend_config("x86")
 """
 

@@ -7,7 +7,7 @@ code ports by changing its imports to ``from qcore import ...``.
 from qcore.config.backend import BackendConfig
 from qcore.config.dtypes import DTypeConfig, DTypeWithConstraints, ObservationType
 from qcore.config.errors import ConfigError, DuplicatePatternError
-from qcore.config.pattern import BackendPatternConfig
+from qcore.config.pattern import BackendPatternConfig, MatchAllNode
 
 __all__ = [
     "BackendConfig",
@@ -16,5 +16,6 @@ __all__ = [
     "DTypeConfig",
     "DTypeWithConstraints",
     "DuplicatePatternError",
+    "MatchAllNode",
     "ObservationType",
 ]

@@ -56,6 +56,8 @@ __all__ = [
     "fuse_linear_relu",
     "fuse_bn2d_relu",
     "fuse_bn3d_relu",
+    "fuse_linear_leaky_relu",
+    "fuse_linear_tanh",
 ]
 
 Fuser = Callable[..., nn.Module]
@@ -255,3 +257,7 @@ fuse_bn2d_relu = sequential_fuser(nni.BNReLU2d)
 """``(BatchNorm2d, ReLU)`` -> ``nni.BNReLU2d``."""
 fuse_bn3d_relu = sequential_fuser(nni.BNReLU3d)
 """``(BatchNorm3d, ReLU)`` -> ``nni.BNReLU3d``."""
+fuse_linear_leaky_relu = sequential_fuser(nni.LinearLeakyReLU)
+"""``(Linear, LeakyReLU)`` -> ``nni.LinearLeakyReLU`` (onednn)."""
+fuse_linear_tanh = sequential_fuser(nni.LinearTanh)
+"""``(Linear, Tanh)`` -> ``nni.LinearTanh`` (onednn)."""

@@ -24,9 +24,20 @@ import torch
 from qcore.config.dtypes import DTypeConfig, ObservationType
 from qcore.config.errors import ConfigError, describe, invalid
 
-__all__ = ["BackendPatternConfig", "Pattern", "to_complex_format", "format_pattern"]
+__all__ = [
+    "BackendPatternConfig",
+    "MatchAllNode",
+    "Pattern",
+    "to_complex_format",
+    "format_pattern",
+]
 
 Pattern = Callable | str | tuple
+
+
+# In a complex-format pattern, any argument matches at a MatchAllNode; a fuser gets
+# the class itself there. torch.ao's own class, so that ported configs are equal.
+from torch.ao.quantization.utils import MatchAllNode  # noqa: E402
 
 
 def _check_pattern_item(field_name: str, item: Any) -> None:

@@ -260,22 +260,30 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"unknown backend kind {kind!r}; expected one of {list(BACKEND_KINDS)}")
 
 
-def get_default_qconfig(kind: str = "x86") -> QConfig:
+def _reduce_range(kind: str, reduce_range: bool | None) -> bool:
+    """torch.ao's choice for ``kind`` (fbgemm and x86 reduce), unless told otherwise."""
+    return kind in ("fbgemm", "x86") if reduce_range is None else reduce_range
+
+
+def get_default_qconfig(kind: str = "x86", *, reduce_range: bool | None = None) -> QConfig:
     """torch.ao's default post-training QConfig for ``kind``: histogram activations
-    (reduce_range on fbgemm/x86) and per-channel symmetric weights (per-tensor on qnnpack)."""
+    (reduce_range on fbgemm/x86, or as given) and per-channel symmetric weights
+    (per-tensor on qnnpack)."""
     _check_kind(kind)
     per_channel = kind != "qnnpack"
     return QConfig(
-        activation=obs.HistogramObserver.with_args(reduce_range=kind in ("fbgemm", "x86")),
+        activation=obs.HistogramObserver.with_args(reduce_range=_reduce_range(kind, reduce_range)),
         weight=obs.default_per_channel_weight_observer
         if per_channel
         else obs.default_weight_observer,
     )
 
 
-def get_default_qat_qconfig(kind: str = "x86", version: int = 1) -> QConfig:
+def get_default_qat_qconfig(
+    kind: str = "x86", version: int = 1, *, reduce_range: bool | None = None
+) -> QConfig:
     """torch.ao's default QAT QConfig for ``kind`` (version 1: the fused fake quants;
-    version 0: FakeQuantize)."""
+    version 0: FakeQuantize); ``reduce_range`` as in :func:`get_default_qconfig`."""
     _check_kind(kind)
     if version not in (0, 1):
         raise ValueError(f"get_default_qat_qconfig: version must be 0 or 1, not {version}")
@@ -283,8 +291,8 @@ def get_default_qat_qconfig(kind: str = "x86", version: int = 1) -> QConfig:
     cls = obs.FusedMovingAvgObsFakeQuantize if fused else obs.FakeQuantize
     kwargs: dict[str, Any] = {"observer": obs.MovingAverageMinMaxObserver}
     kwargs.update(quant_min=0, quant_max=255)
-    if kind != "onednn":
-        kwargs["reduce_range"] = kind in ("fbgemm", "x86")
+    if kind != "onednn" or reduce_range is not None:
+        kwargs["reduce_range"] = _reduce_range(kind, reduce_range)
     if kind == "qnnpack":
         weight = obs.default_fused_wt_fake_quant if fused else obs.default_weight_fake_quant
     else:
@@ -314,10 +322,15 @@ FIXED_QPARAMS_OPS: dict[Any, Any] = {
 }
 
 
-def default_qconfig_mapping(kind: str = "x86", is_qat: bool = False) -> QConfigMapping:
+def default_qconfig_mapping(
+    kind: str = "x86", is_qat: bool = False, *, reduce_range: bool | None = None
+) -> QConfigMapping:
     """The structure of torch.ao's ``get_default_qconfig_mapping(kind)`` (or the QAT
-    one), with qcore's observers."""
-    qconfig = get_default_qat_qconfig(kind) if is_qat else get_default_qconfig(kind)
+    one), with qcore's observers; ``reduce_range`` as in :func:`get_default_qconfig`."""
+    if is_qat:
+        qconfig = get_default_qat_qconfig(kind, reduce_range=reduce_range)
+    else:
+        qconfig = get_default_qconfig(kind, reduce_range=reduce_range)
     default_weight = obs.default_weight_fake_quant if is_qat else obs.default_weight_observer
     # fbgemm/x86 quantize transposed convs' weights per tensor (pytorch issue 47535)
     if kind in ("fbgemm", "x86"):

@@ -3,8 +3,15 @@
 A BackendPatternConfig with a ``fuser_method`` is a fusion rule. Every match
 is handed to the fuser as module instances (a functional or method relu
 becomes ``nn.ReLU()`` first): in forward order for a pattern set with
-``set_pattern``, in the pattern's nested order for a complex-format one.
-The fused module takes the first module's name and place.
+``set_pattern``, in the pattern's nested order for a complex-format one,
+where another function or method is passed as itself and a ``MatchAllNode``
+position as ``MatchAllNode`` (torch.ao's convention). The fused module takes
+the root module's name (the first module, or the config's ``root_node_getter``'s).
+
+A rule with an ``extra_inputs_getter`` (torch.ao's ``conv -> add(other)``)
+fuses an op with another input: the getter returns those input nodes, which
+become extra arguments of the fused module's call, placed where the pattern's
+output was (the extra inputs may be computed after the root op).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from qcore.config import BackendConfig
-from qcore.engine.match import find_matches
+from qcore.engine.match import MatchAllNode, find_matches, is_match_all
 from qcore.engine.trace import delete_unused_submodules
 
 __all__ = ["fuse_graph", "fusion_rules"]
@@ -40,10 +47,16 @@ def _as_module(node: Node, modules: dict[str, torch.nn.Module]) -> torch.nn.Modu
     return make() if make is not None else None
 
 
-def _nested_modules(nested: Any, modules: dict[str, torch.nn.Module]) -> Any:
-    if isinstance(nested, tuple):
-        return tuple(_nested_modules(item, modules) for item in nested)
-    return _as_module(nested, modules)
+def _nested_modules(nested: Any, pattern: Any, modules: dict[str, torch.nn.Module]) -> Any:
+    """The fuser's arguments for a complex-format match, in the pattern's shape."""
+    if isinstance(pattern, tuple):
+        return tuple(
+            _nested_modules(item, sub, modules) for item, sub in zip(nested, pattern, strict=True)
+        )
+    if is_match_all(pattern):
+        return MatchAllNode
+    module = _as_module(nested, modules)
+    return module if module is not None else nested.target
 
 
 def _set_module(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
@@ -73,7 +86,7 @@ def fuse_graph(
     for match in matches.values():
         if len(match.nodes) < 2:
             continue
-        root = match.nodes[-1]
+        root = match.root if match.config._root_node_getter is not None else match.nodes[-1]
         if root.op != "call_module":
             continue
         if match.config.pattern is not None:
@@ -82,9 +95,14 @@ def fuse_graph(
                 continue
             fused = match.config.fuser_method(is_qat, *parts)
         else:
-            nested = _nested_modules(match.nested, modules)
+            pattern = match.config.pattern_complex_format
+            nested = _nested_modules(match.nested, pattern, modules)
             fused = match.config.fuser_method(is_qat, *nested)
         _set_module(gm, root.target, fused)
+        getter = match.config._extra_inputs_getter
+        if getter is not None:
+            root.args = (*root.args, *getter(match.nested))
+            match.output.prepend(root)  # after the extra inputs, before any use
         # The root node becomes the fused module's node: it keeps its name,
         # which is the name explain and the user know it by.
         match.output.replace_all_uses_with(root)

@@ -19,15 +19,12 @@ import torch
 from torch.fx import Node
 
 from qcore.config import BackendPatternConfig
+from qcore.config.pattern import MatchAllNode
 
-__all__ = ["Match", "MatchAllNode", "find_matches", "match_pattern", "node_op"]
-
-
-class MatchAllNode:
-    """In a complex-format pattern: any argument matches here."""
+__all__ = ["Match", "MatchAllNode", "find_matches", "is_match_all", "match_pattern", "node_op"]
 
 
-def _is_match_all(op: Any) -> bool:
+def is_match_all(op: Any) -> bool:
     return op is MatchAllNode or getattr(op, "__name__", None) == "MatchAllNode"
 
 
@@ -56,7 +53,7 @@ def match_pattern(
     ``MatchAllNode`` positions hold the argument itself.
     """
     op, arg_patterns = (pattern[0], pattern[1:]) if isinstance(pattern, tuple) else (pattern, ())
-    if _is_match_all(op):
+    if is_match_all(op):
         return node
     if not isinstance(node, Node) or not _op_matches(node, op, modules):
         return None
@@ -78,13 +75,13 @@ def match_pattern(
 def _flatten(nested: Any, pattern: Any) -> list[Node]:
     """Nodes of a nested match, MatchAllNode positions left out."""
     if isinstance(pattern, tuple):
-        if _is_match_all(pattern[0]):
+        if is_match_all(pattern[0]):
             return []
         nodes = [nested[0]]
         for sub, sub_pattern in zip(nested[1:], pattern[1:], strict=True):
             nodes += _flatten(sub, sub_pattern)
         return nodes
-    return [] if _is_match_all(pattern) else [nested]
+    return [] if is_match_all(pattern) else [nested]
 
 
 def _default_root(nested: Any) -> Node:
@@ -112,7 +109,7 @@ class Match:
 def _pattern_size(pattern: Any) -> int:
     if isinstance(pattern, tuple):
         return 1 + sum(_pattern_size(sub) for sub in pattern[1:])
-    return 0 if _is_match_all(pattern) else 1
+    return 0 if is_match_all(pattern) else 1
 
 
 def find_matches(

@@ -53,6 +53,7 @@ FIRST_PARTY_DISTRIBUTIONS = {
     "fbgemm": "qcore-fbgemm",
     "qnnpack": "qcore-qnnpack",
     "x86": "qcore-x86",
+    "onednn": "qcore-x86",
 }
 
 

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx import Node
 
+from qcore.engine.match import is_match_all
+
 __all__ = ["WEIGHTED", "AtenPattern", "aten_ops", "aten_pattern", "match_aten"]
 
 aten = torch.ops.aten
@@ -126,10 +128,6 @@ AtenPattern = Any
 """``frozenset(packets)`` or ``(frozenset(packets), arg0_pattern, ...)``."""
 
 
-def _is_match_all(op: Any) -> bool:
-    return getattr(op, "__name__", None) == "MatchAllNode"
-
-
 def _chain(ops: list[frozenset], args: tuple) -> AtenPattern:
     """``ops`` in forward order as a complex pattern; ``args`` hang off the first."""
     pattern: AtenPattern = (ops[0], *args) if args else ops[0]
@@ -141,7 +139,7 @@ def _chain(ops: list[frozenset], args: tuple) -> AtenPattern:
 def aten_pattern(pattern: Any) -> AtenPattern | None:
     """Translate an FX complex-format pattern; None if some op has no aten form."""
     op, arg_patterns = (pattern[0], pattern[1:]) if isinstance(pattern, tuple) else (pattern, ())
-    if _is_match_all(op):
+    if is_match_all(op):
         return "any"
     args = []
     for sub in arg_patterns:
