@@ -20,7 +20,9 @@ pytestmark = pytest.mark.skipif(EXPECTED is None, reason="run by tox, which inst
 EXPECTED_NAMES = set() if EXPECTED in (None, "none") else set(EXPECTED.split(","))
 BROKEN = {name for name in EXPECTED_NAMES if name.startswith("broken-")}
 HEALTHY = EXPECTED_NAMES - BROKEN
-NATIVE_COUNTS = {"fbgemm": 192, "qnnpack": 190, "x86": 192}
+NATIVE_COUNTS = {"fbgemm": 192, "qnnpack": 190, "x86": 192, "onednn": 221}
+DISTRIBUTION = {"fbgemm": "qcore-fbgemm", "qnnpack": "qcore-qnnpack", "x86": "qcore-x86"}
+DISTRIBUTION["onednn"] = "qcore-x86"  # the x86 plugin's second entry point
 
 
 def run_cli(*args):
@@ -60,14 +62,14 @@ def test_asking_for_a_backend_imports_only_its_plugins(name):
 @pytest.mark.parametrize("name", sorted(NATIVE_COUNTS))
 def test_first_party_backend_pattern_counts(name):
     if name not in EXPECTED_NAMES:
-        with pytest.raises(qcore.UnknownBackendError, match=f"pip install qcore-{name}"):
+        with pytest.raises(qcore.UnknownBackendError, match=f"pip install {DISTRIBUTION[name]}"):
             qcore.get_backend(name)
         return
     config = qcore.get_backend_config(name)
     assert len(config.configs) == NATIVE_COUNTS[name]
     # A vendor may add to a first-party backend (tests/thirdparty/mychip adds to x86).
     distributions = {plugin.spec.distribution for plugin in qcore.get_backend(name).plugins}
-    assert f"qcore-{name}" in distributions
+    assert DISTRIBUTION[name] in distributions
 
 
 def test_native_is_the_union_of_the_installed_backends():
@@ -83,7 +85,7 @@ def test_native_is_the_union_of_the_installed_backends():
 
 
 def test_native_accepts_linear_relu_under_qnnpack_symmetric_qconfig():
-    if EXPECTED_NAMES != {"fbgemm", "qnnpack", "x86"}:
+    if EXPECTED_NAMES != {"fbgemm", "qnnpack", "x86", "onednn"}:
         pytest.skip("needs all three first-party plugins")
     from torch.ao.quantization import default_symmetric_qnnpack_qconfig
     from torch.ao.quantization.backend_config import get_native_backend_config
@@ -110,7 +112,7 @@ def test_cli_backends_table():
     assert lines[0].split() == ["NAME", "DISTRIBUTION", "VERSION", "PATTERNS", "KERNELS", "STATUS"]
     rows = {line.split()[0]: line for line in lines[2:] if line and not line.startswith(" ")}
     for name in HEALTHY & set(NATIVE_COUNTS):
-        assert f"qcore-{name}" in rows[name] and str(NATIVE_COUNTS[name]) in rows[name]
+        assert DISTRIBUTION[name] in rows[name] and str(NATIVE_COUNTS[name]) in rows[name]
         assert rows[name].rstrip().endswith("ok")
     for name in BROKEN:
         assert "failed" in rows[name]

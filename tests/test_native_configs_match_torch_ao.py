@@ -1,7 +1,8 @@
 """The first-party plugins' configs against torch.ao's native configs of the same name.
 
-For fbgemm, qnnpack and x86: the plugin's pattern configs (built with qcore's
-own API: qcore.config.standard_ops and qcore.config.fusers) are compared with
+For fbgemm, qnnpack, x86 and onednn (the x86 plugin's second backend): the
+plugin's pattern configs (built with qcore's own API: qcore.config.standard_ops,
+qcore.config.onednn_fusions and qcore.config.fusers) are compared with
 torch.ao's BackendConfig pattern by pattern, field by field; fuser methods are
 compared by behaviour on freshly built modules, in eval and in QAT mode. Any
 difference fails the test unless DELIBERATE_DIFFERENCES lists it with a
@@ -14,6 +15,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import operator
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qcore import BackendConfig
+from qcore.config import MatchAllNode
 from qcore.config.pattern import format_pattern, to_complex_format
 from qcore.config.torch_ao import import_torch_ao_backend_config
 
@@ -33,11 +36,20 @@ def _ao_x86():
     return get_x86_backend_config()
 
 
+def _ao_onednn():
+    from torch.ao.quantization.backend_config.onednn import get_onednn_backend_config
+
+    return get_onednn_backend_config()
+
+
 BACKENDS = {
     "fbgemm": ("qcore_fbgemm.plugin", ao.get_fbgemm_backend_config, 192),
     "qnnpack": ("qcore_qnnpack.plugin", ao.get_qnnpack_backend_config, 190),
     "x86": ("qcore_x86.plugin", _ao_x86, 192),
+    "onednn": ("qcore_x86.onednn_plugin", _ao_onednn, 221),
 }
+ENGINE = {"onednn": "x86"}
+"""The quantized engine a backend's kernels run on, where it is not the backend's name."""
 
 _TRANSPOSED_CONV_BN = [
     (nn.ConvTranspose1d, nn.BatchNorm1d),
@@ -58,6 +70,43 @@ DELIBERATE_DIFFERENCES: dict[tuple[str, str], str] = {
 """(pattern in complex format, field) -> why qcore differs from torch.ao there,
 for every backend."""
 
+_BN_CONV = (nn.BatchNorm2d, nn.Conv2d)
+_BN_CONV_ADDS = [
+    (add, *sides)
+    for add in (torch.add, operator.add)
+    for sides in ((_BN_CONV, MatchAllNode), (MatchAllNode, _BN_CONV))
+]
+
+ONEDNN_DIFFERENCES: dict[tuple[str, str], str] = {
+    **{
+        (format_pattern(pattern), "fuser_method[qat]"): (
+            "QAT fusion of a conv/linear + BatchNorm fused further (into an add, or with "
+            "leaky_relu) is unsupported in both; torch.ao raises NotImplementedError, qcore a "
+            "FusionError naming the modules and what to do"
+        )
+        for pattern in [
+            *((nn.ReLU, add) for add in _BN_CONV_ADDS),
+            *_BN_CONV_ADDS,
+            (nn.LeakyReLU, (nn.BatchNorm1d, nn.Linear)),
+        ]
+    },
+    **{
+        (format_pattern((function, nn.Linear)), f"fuser_method[{mode}]"): (
+            "a functional activation after nn.Linear is not fusable into LinearLeakyReLU/"
+            "LinearTanh: torch.ao's fuser fails an assert, qcore's raises a FusionError "
+            "naming the modules (and its engine leaves such a match unfused)"
+        )
+        for function in (F.leaky_relu, torch.tanh)
+        for mode in ("eval", "qat")
+    },
+}
+"""The same, for onednn only."""
+
+
+def deliberate_differences(name):
+    return {**DELIBERATE_DIFFERENCES, **(ONEDNN_DIFFERENCES if name == "onednn" else {})}
+
+
 _CONSTRAINT_FIELDS = (
     "dtype",
     "quant_min_lower_bound",
@@ -71,7 +120,9 @@ _MODULE_FIELDS = ("root_module", "qat_module", "reference_quantized_module", "fu
 
 
 def plugin_module(name):
-    return pytest.importorskip(BACKENDS[name][0], reason=f"qcore-{name} is not installed")
+    return pytest.importorskip(
+        BACKENDS[name][0], reason=f"the plugin serving {name} is not installed"
+    )
 
 
 @functools.cache
@@ -139,9 +190,18 @@ _SAMPLE_CHANNELS = 4
 
 def sample_module(op):
     """A fresh module for one element of a fusion pattern (F.relu becomes nn.ReLU,
-    as the engines hand it to the fuser)."""
+    as the engines hand it to the fuser; other functions and MatchAllNode are
+    handed over as they are)."""
+    if isinstance(op, tuple):  # a complex-format sub-pattern
+        return tuple(sample_module(item) for item in op)
     if op in (F.relu, torch.relu, nn.ReLU):
         return nn.ReLU()
+    if getattr(op, "__name__", None) == "MatchAllNode":
+        return MatchAllNode
+    if not isinstance(op, type):
+        return op
+    if op in (nn.LeakyReLU, nn.Tanh):
+        return op()
     if op is nn.Linear:
         return nn.Linear(3, _SAMPLE_CHANNELS)
     if issubclass(op, nn.modules.conv._ConvNd):
@@ -189,14 +249,27 @@ def describe_outcome(outcome):
     return f"{outcome[1][0].__name__} ({len(outcome[2])} tensors)"
 
 
-def fuser_differences(pattern, ours, theirs):
-    """Apply both fusers to identical fresh modules, in eval and in QAT mode."""
+def _train(modules, mode):
+    for module in modules:
+        if isinstance(module, tuple):
+            _train(module, mode)
+        elif isinstance(module, nn.Module):
+            module.train(mode)
+
+
+def fuser_differences(config, ours, theirs):
+    """Apply both fusers to identical fresh modules, in eval and in QAT mode: in
+    forward order for a simple pattern, in the pattern's nested order for a
+    complex-format one (torch.ao hands the torch.ao MatchAllNode over; a fuser
+    does not look at it)."""
     differences = []
     torch.manual_seed(0)
-    modules = [sample_module(op) for op in pattern]
+    if config.pattern is not None:
+        modules = [sample_module(op) for op in config.pattern]
+    else:
+        modules = list(sample_module(config.pattern_complex_format))
     for mode, is_qat in (("eval", False), ("qat", True)):
-        for module in modules:
-            module.train(is_qat)
+        _train(modules, is_qat)
         mine = fuser_outcome(ours, is_qat, copy.deepcopy(modules))
         reference = fuser_outcome(theirs, is_qat, copy.deepcopy(modules))
         if not same_outcome(mine, reference):
@@ -229,9 +302,8 @@ def differences(name):
             if a != b:
                 found.append((format_pattern(key), field, f"qcore {a!r}, torch.ao {b!r}"))
         if ours[key].fuser_method is not None and theirs[key].fuser_method is not None:
-            pattern = ours[key].pattern
             for field, detail in fuser_differences(
-                pattern, ours[key].fuser_method, theirs[key].fuser_method
+                ours[key], ours[key].fuser_method, theirs[key].fuser_method
             ):
                 found.append((format_pattern(key), field, detail))
     return sorted(found)
@@ -251,7 +323,7 @@ def test_every_pattern_and_field_matches_torch_ao(name):
     unexpected = [
         f"{pattern} {field}: {detail}"
         for pattern, field, detail in differences(name)
-        if (pattern, field) not in DELIBERATE_DIFFERENCES
+        if (pattern, field) not in deliberate_differences(name)
     ]
     assert not unexpected, f"{name} differs from torch.ao:\n" + "\n".join(unexpected)
 
@@ -260,7 +332,7 @@ def test_every_pattern_and_field_matches_torch_ao(name):
 def test_every_deliberate_difference_still_occurs(name):
     plugin_module(name)
     occurring = {(pattern, field) for pattern, field, _ in differences(name)}
-    stale = sorted(set(DELIBERATE_DIFFERENCES) - occurring)
+    stale = sorted(set(deliberate_differences(name)) - occurring)
     assert not stale, f"listed in DELIBERATE_DIFFERENCES but no longer different: {stale}"
 
 
@@ -310,7 +382,7 @@ def test_plugin_hooks_answer_only_for_their_backend(name):
     plugin = plugin_module(name)
     assert plugin.QCORE_PLUGIN_API_VERSION == 1
     kernels = plugin.qcore_backend_kernels(name)
-    assert kernels and {kernel.engine for kernel in kernels} == {name}
+    assert kernels and {kernel.engine for kernel in kernels} == {ENGINE.get(name, name)}
     other = "some-other-backend"
     assert plugin.qcore_backend_pattern_configs(other) is None
     assert plugin.qcore_backend_kernels(other) is None
@@ -324,7 +396,12 @@ def test_default_qconfig_mapping_is_qcores_for_the_backend(name, is_qat):
     from qcore.config.qconfig import QConfigMapping, default_qconfig_mapping
 
     ours = plugin_module(name).qcore_default_qconfig_mapping(name, is_qat)
-    expected = default_qconfig_mapping(name, is_qat=is_qat)
+    reduce_range = None
+    if name == "onednn":  # 7-bit activations where int8 sums saturate (qcore_x86.onednn)
+        from qcore_x86.onednn import cpu_has_vnni
+
+        reduce_range = None if cpu_has_vnni() else True
+    expected = default_qconfig_mapping(name, is_qat=is_qat, reduce_range=reduce_range)
     assert isinstance(ours, QConfigMapping)
     assert repr(ours.global_qconfig) == repr(expected.global_qconfig)
     assert list(ours.object_type_qconfigs) == list(expected.object_type_qconfigs)

@@ -74,6 +74,7 @@ with _quiet():
         get_fbgemm_backend_config,
         get_qnnpack_backend_config,
     )
+    from torch.ao.quantization.backend_config.onednn import get_onednn_backend_config
     from torch.ao.quantization.backend_config.x86 import get_x86_backend_config
     from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
@@ -81,12 +82,14 @@ BACKEND_CONFIGS = {
     "fbgemm": get_fbgemm_backend_config,
     "qnnpack": get_qnnpack_backend_config,
     "x86": get_x86_backend_config,
+    "onednn": get_onednn_backend_config,
 }
-BACKENDS = tuple(BACKEND_CONFIGS)
+BACKENDS = ("fbgemm", "qnnpack", "x86")
+"""The backends the zoo's tests compare; onednn (x86's engine) is in the benchmarks."""
 
 
 def backend_config(backend: str) -> BackendConfig:
-    """torch.ao's BackendConfig for fbgemm, qnnpack or x86."""
+    """torch.ao's BackendConfig for fbgemm, qnnpack, x86 or onednn."""
     try:
         factory = BACKEND_CONFIGS[backend]
     except KeyError:

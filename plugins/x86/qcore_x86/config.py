@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from qcore.config import BackendPatternConfig, DTypeConfig
+from qcore.config.onednn_fusions import conv_add_pattern_configs, linear_eltwise_pattern_configs
 from qcore.config.standard_ops import standard_pattern_configs
 
 BACKEND = "x86"
@@ -66,3 +67,43 @@ def pattern_configs() -> list[BackendPatternConfig]:
         rnn=[dynamic_int8, dynamic_float16],
         embedding=[weight_only_quint8, weight_only_quint4x2],
     )
+
+
+# -- onednn: torch 2.13's native onednn config, the same engine as x86 --------
+
+ONEDNN_BACKEND = "onednn"
+
+weight_only_qint8 = DTypeConfig(
+    input_dtype=torch.float, output_dtype=torch.float, weight_dtype=torch.qint8
+)
+"""Weight-only qint8 (onednn's embeddings)."""
+
+input_output_only_quint8 = DTypeConfig(
+    input_dtype=torch.quint8,
+    output_dtype=torch.quint8,
+    weight_dtype=torch.float,
+    bias_dtype=torch.float,
+)
+"""quint8 activations around float weights (onednn's layer norm)."""
+
+
+def onednn_pattern_configs() -> list[BackendPatternConfig]:
+    """onednn's pattern configs: x86's families (with onednn's dtype configs), plus
+    conv2d + add (+ relu) and linear + leaky_relu/tanh fusions."""
+    return [
+        *standard_pattern_configs(conv=[weighted_op_quint8]),
+        *conv_add_pattern_configs([weighted_op_quint8]),
+        *standard_pattern_configs(linear=[weighted_op_quint8, dynamic_int8]),
+        *linear_eltwise_pattern_configs([weighted_op_quint8, dynamic_int8]),
+        *standard_pattern_configs(
+            binary_op=[default_op_quint8],
+            cat=[default_op_quint8],
+            own_qparams_op=[default_op_quint8],
+            fixed_qparams_op=[default_op_quint8],
+            shared_qparams_op=[default_op_quint8],
+            batch_norm=[default_op_quint8],
+        ),
+        # torch.ao's order: layer norm before the RNNs (the families' order puts it last)
+        *standard_pattern_configs(layer_norm=[input_output_only_quint8]),
+        *standard_pattern_configs(rnn=[dynamic_int8], embedding=[weight_only_qint8]),
+    ]

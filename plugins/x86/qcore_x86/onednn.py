@@ -65,6 +65,22 @@ def _unary(activation: nn.Module | None, linear: bool) -> tuple[str, list, str]:
     raise ValueError(f"oneDNN fuses no {type(activation).__name__} after a {kind}")
 
 
+_RELU_FUSED = (nni.ConvReLU1d, nni.ConvReLU2d, nni.ConvReLU3d, nni.LinearReLU, nni.ConvAddReLU2d)
+
+
+def _post_ops(fused: nn.Module) -> tuple[bool, nn.Module | None]:
+    """(residual add?, the activation) of a fused module: PT2E's WeightedWithPostOps
+    or torch.ao's intrinsic classes (FX, e.g. the onednn config's ConvAddReLU2d)."""
+    if isinstance(fused, WeightedWithPostOps):
+        return fused.residual_add, fused.activation
+    residual = isinstance(fused, (nni.ConvAdd2d, nni.ConvAddReLU2d))
+    if isinstance(fused, _RELU_FUSED):
+        return residual, nn.ReLU()
+    if isinstance(fused, (nni.LinearLeakyReLU, nni.LinearTanh)):
+        return False, fused[1]
+    return residual, None
+
+
 def _as_uint8(x: torch.Tensor) -> torch.Tensor:
     """The uint8 data of a torch quint8 tensor, without a copy."""
     return torch.empty(0, dtype=torch.uint8).set_(
@@ -81,10 +97,7 @@ class _OnednnWeighted(PackedWeights):
         super().__init__(ENGINE)
         reference = match.module
         fused = reference.module
-        self.residual_add = isinstance(fused, WeightedWithPostOps) and fused.residual_add
-        activation = fused.activation if isinstance(fused, WeightedWithPostOps) else None
-        if isinstance(fused, (nni.ConvReLU1d, nni.ConvReLU2d, nni.ConvReLU3d, nni.LinearReLU)):
-            activation = nn.ReLU()
+        self.residual_add, activation = _post_ops(fused)
         self.unary, self.unary_scalars, self.unary_algorithm = _unary(activation, linear)
         x = match.inputs[0]
         self.register_buffer("input_scale", torch.tensor(x.scale, dtype=torch.float64))
@@ -238,8 +251,9 @@ def _lower(match: KernelMatch, kind: tuple[type, ...], kernel: type):
 def onednn_kernels() -> list[Kernel]:
     """x86's oneDNN kernels, tried after the kernel library's (see the module docstring)."""
     convs = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-    conv_patterns = [*convs, nni.ConvReLU1d, nni.ConvReLU2d]  # oneDNN: no relu after conv3d
-    linear_patterns = [nn.Linear, nni.LinearReLU]
+    # oneDNN: no relu after conv3d
+    conv_patterns = [*convs, nni.ConvReLU1d, nni.ConvReLU2d, nni.ConvAdd2d, nni.ConvAddReLU2d]
+    linear_patterns = [nn.Linear, nni.LinearReLU, nni.LinearLeakyReLU, nni.LinearTanh]
     conv = functools.partial(_lower, kind=convs, kernel=OnednnConv)
     linear = functools.partial(_lower, kind=(nn.Linear,), kernel=OnednnLinear)
     return [

@@ -18,16 +18,21 @@ def qcore_backend_pattern_configs(backend):
     return config.pattern_configs()
 
 
-@hookimpl
-def qcore_backend_kernels(backend):
+def x86_kernels() -> list:
     """qcore's int8 kernel library packed for the x86 engine, then oneDNN's fused
     kernels (``qcore_x86.onednn``) for what the library's refuse."""
-    if backend != BACKEND:
-        return None
     from qcore.kernels import kernels_for
     from qcore_x86.onednn import onednn_kernels
 
     return [*kernels_for("x86"), *onednn_kernels()]
+
+
+@hookimpl
+def qcore_backend_kernels(backend):
+    """The x86 engine's kernels (:func:`x86_kernels`)."""
+    if backend != BACKEND:
+        return None
+    return x86_kernels()
 
 
 @hookimpl
