@@ -1,12 +1,16 @@
 """PT2E path: qcore against torchao 0.18 on the exported zoo models, as ratios.
 
-    python benchmarks/pt2e.py [--repeat 3] [model ...]
+    python benchmarks/pt2e.py [--repeat 3] [--inductor] [model ...]
 
 For each model: prepare time, convert time (qcore lowers to its x86 kernels;
 torchao's convert gives its reference graph) and the latency of one forward of
 the converted model, best of ``--repeat`` runs, interleaved so machine load
 hits both alike. Ratios are qcore / torchao (below 1: qcore is faster).
 The machine (CPU model from /proc/cpuinfo, cores, torch) heads the table.
+
+``--inductor`` adds the peer as torchao means it to run: its converted model
+through ``torch.compile`` (inductor, weights frozen), compiled once per model
+and timed after compilation; the compile time is printed beside it.
 """
 
 from __future__ import annotations
@@ -78,6 +82,25 @@ def latency(model, batch, runs: int = 20) -> float:
     return (time.perf_counter() - start) / runs
 
 
+def inductor_latency(entry, repeat: int) -> tuple[float, float]:
+    """(compile s, best latency s) of torchao's converted model under torch.compile."""
+    import torch._inductor.config as inductor_config
+
+    quantizer, prepare, convert = torchao_flow()
+    model = entry.make_model()
+    batch = entry.calibration_data(1)[0]
+    prepared = prepare(torch.export.export(model, batch).module(), quantizer())
+    with torch.no_grad():
+        for inputs in entry.calibration_data(4):
+            prepared(*inputs)
+    converted = convert(prepared)
+    inductor_config.freezing = True  # torchao's recipe: fold the int8 weights
+    with torch.no_grad():
+        compiled = torch.compile(converted)
+        _, compile_s = timed(compiled, *batch)
+    return compile_s, min(latency(compiled, batch) for _ in range(repeat))
+
+
 def one_run(entry, flow):
     """(prepare s, convert s, latency s) for one flow on one model."""
     model = entry.make_model()
@@ -103,6 +126,11 @@ def main() -> None:
         help="qcore's side: \"x86\" by name (the plugin's X86Quantizer, the default) or "
         "the Quantizer compiled from x86's native BackendConfig",
     )
+    parser.add_argument(
+        "--inductor",
+        action="store_true",
+        help="also time torchao's converted model under torch.compile (inductor)",
+    )
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     quantizer = qcore_quantizer if args.quantizer == "compiled" else lambda: "x86"
@@ -110,7 +138,9 @@ def main() -> None:
     theirs = torchao_flow()
     print(f"machine: {machine()}; qcore's quantizer: {args.quantizer}")
     header = ("model", "prepare qcore/ao", "convert qcore/ao", "latency qcore/ao")
-    print(f"{header[0]:<18} {header[1]:>26} {header[2]:>26} {header[3]:>26}")
+    if args.inductor:
+        header += ("latency qcore/ao+inductor (compile)",)
+    print(f"{header[0]:<18} " + " ".join(f"{h:>26}" for h in header[1:]))
     for name in args.models:
         best_ours = [float("inf")] * 3
         best_theirs = [float("inf")] * 3
@@ -125,7 +155,14 @@ def main() -> None:
             f"{o * 1e3:8.1f}/{t * 1e3:8.1f}ms {o / t:5.2f}x"
             for o, t in zip(best_ours, best_theirs, strict=True)
         ]
-        print(f"{name:<18} {cells[0]:>26} {cells[1]:>26} {cells[2]:>26}")
+        if args.inductor:
+            compile_s, compiled = inductor_latency(ZOO[name], args.repeat)
+            ours_latency = best_ours[2]
+            cells.append(
+                f"{ours_latency * 1e3:8.1f}/{compiled * 1e3:8.1f}ms "
+                f"{ours_latency / compiled:5.2f}x ({compile_s:.0f}s)"
+            )
+        print(f"{name:<18} " + " ".join(f"{c:>26}" for c in cells))
 
 
 if __name__ == "__main__":
