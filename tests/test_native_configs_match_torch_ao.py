@@ -48,8 +48,9 @@ BACKENDS = {
     "x86": ("qcore_x86.plugin", _ao_x86, 192),
     "onednn": ("qcore_x86.onednn_plugin", _ao_onednn, 221),
 }
-ENGINE = {"onednn": "x86"}
-"""The quantized engine a backend's kernels run on, where it is not the backend's name."""
+ENGINES = {"onednn": {"onednn", "x86"}}
+"""The quantized engines a backend's kernels run on, where not only the backend's name
+(onednn: its convs packed for the onednn engine, the rest as x86's)."""
 
 _TRANSPOSED_CONV_BN = [
     (nn.ConvTranspose1d, nn.BatchNorm1d),
@@ -382,7 +383,7 @@ def test_plugin_hooks_answer_only_for_their_backend(name):
     plugin = plugin_module(name)
     assert plugin.QCORE_PLUGIN_API_VERSION == 1
     kernels = plugin.qcore_backend_kernels(name)
-    assert kernels and {kernel.engine for kernel in kernels} == {ENGINE.get(name, name)}
+    assert kernels and {kernel.engine for kernel in kernels} == ENGINES.get(name, {name})
     other = "some-other-backend"
     assert plugin.qcore_backend_pattern_configs(other) is None
     assert plugin.qcore_backend_kernels(other) is None

@@ -31,7 +31,7 @@ from qcore.plugin.kernels import Kernel, KernelUnavailable
 
 __all__ = ["ENGINES", "UNAVAILABLE", "families", "kernels_for"]
 
-ENGINES = ("fbgemm", "qnnpack", "x86")
+ENGINES = ("fbgemm", "qnnpack", "x86", "onednn")
 
 aten = torch.ops.aten
 
@@ -44,6 +44,13 @@ UNAVAILABLE: dict[str, dict[str, str]] = {
         f"conv_transpose{dims}d": (
             "torch 2.13's x86 (onednn) int8 conv_transpose is off by many quantization "
             "steps against the reference (fbgemm and qnnpack agree with it)"
+        )
+        for dims in (1, 2, 3)
+    },
+    "onednn": {
+        f"conv_transpose{dims}d": (
+            "torch 2.13's onednn int8 conv_transpose is off by many quantization steps "
+            "against the reference (fbgemm and qnnpack agree with it)"
         )
         for dims in (1, 2, 3)
     },
@@ -169,7 +176,8 @@ def _unavailable(reason: str, match):
 
 
 def kernels_for(engine: str) -> list[Kernel]:
-    """Every kernel family, packed for ``engine`` (``fbgemm``, ``qnnpack`` or ``x86``)."""
+    """Every kernel family, packed for ``engine`` (``fbgemm``, ``qnnpack``, ``x86`` or
+    ``onednn``)."""
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r}: qcore's kernel library covers {ENGINES}")
     missing = UNAVAILABLE.get(engine, {})

@@ -29,11 +29,19 @@ from torch import nn
 
 from qcore.engine.reference import ReferenceModule, weighted_child
 from qcore.kernels.packed import PackedWeights
-from qcore.kernels.runtime import int8_products_saturate
+from qcore.kernels.runtime import int8_products_saturate, packing_engine
+from qcore.kernels.weighted import QuantizedConv
 from qcore.plugin.kernels import ActivationQParams, Kernel, KernelMatch
 from qcore.pt2e.fused import WeightedWithPostOps
 
-__all__ = ["OnednnConv", "OnednnLinear", "cpu_has_vnni", "onednn_kernels"]
+__all__ = [
+    "OnednnConv",
+    "OnednnLinear",
+    "OnednnPackedConvAdd",
+    "cpu_has_vnni",
+    "onednn_engine_conv_add_kernels",
+    "onednn_kernels",
+]
 
 ENGINE = "x86"
 
@@ -228,6 +236,38 @@ class OnednnLinear(_OnednnWeighted):
             "add", 1.0, self.unary, self.unary_scalars, self.unary_algorithm,
         )  # fmt: skip
         return self._finish(y)
+
+
+class OnednnPackedConvAdd(QuantizedConv):
+    """torch.ao's onednn ``ConvAdd2d``/``ConvAddReLU2d``: ``quantized::conv2d_add[_relu]``
+    on weights packed for the onednn engine, both inputs and the output int8."""
+
+    def __init__(self, match: KernelMatch, relu: bool) -> None:
+        if len(match.inputs) != 2 or match.output is None or match.output.quant_range:
+            raise ValueError("needs two int8 inputs and a full-range int8 output")
+        super().__init__(match.module, match.output, relu, "onednn")
+
+    def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        op = torch.ops.quantized.conv2d_add_relu if self.relu else torch.ops.quantized.conv2d_add
+        # The op checks the global quantized engine, not the packed weights' (torch 2.13).
+        with packing_engine("onednn"):
+            return op(x, other, self._packed, self.scale, self.zero_point)
+
+    def extra_repr(self) -> str:
+        return "residual add, " + super().extra_repr()
+
+
+def _conv_add(match: KernelMatch) -> OnednnPackedConvAdd:
+    return OnednnPackedConvAdd(match, relu=isinstance(match.module.module, nni.ConvAddReLU2d))
+
+
+def onednn_engine_conv_add_kernels() -> list[Kernel]:
+    """``ConvAdd2d``/``ConvAddReLU2d`` on the onednn engine's own fused op, as torch.ao's
+    onednn backend runs them (it converts no tensor: faster than the pointwise call)."""
+    return [
+        Kernel("onednn.conv2d_add", pattern, "onednn", _conv_add)
+        for pattern in (nni.ConvAdd2d, nni.ConvAddReLU2d)
+    ]
 
 
 def _check(match: KernelMatch, kind: tuple[type, ...]) -> None:

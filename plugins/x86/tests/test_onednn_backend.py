@@ -1,9 +1,10 @@
 """The ``onednn`` backend (the x86 plugin's second entry point) on the FX path.
 
 torch.ao's onednn config fuses ``conv2d [-> bn] -> add(other) [-> relu]`` and
-``linear -> leaky_relu/tanh`` at prepare; the fused modules must run on x86's
-oneDNN kernels, agree with the reference form within one output step, save and
-load, and warn about nothing.
+``linear -> leaky_relu/tanh`` at prepare; the fused modules must run as one
+oneDNN kernel (``quantized::conv2d_add[_relu]`` on onednn-packed weights, as
+torch.ao's onednn backend; oneDNN's pointwise ops for the linears), agree with
+the reference form within one output step, save and load, and warn about nothing.
 """
 
 import io
@@ -89,7 +90,7 @@ def test_conv_add_runs_as_one_onednn_kernel_within_one_step(add, conv_left, bn, 
     reference = qcore.convert_to_reference_fx(prepared)
     lowered = qcore.convert_fx(prepared)
     fused = "ConvAddReLU2d" if relu else "ConvAdd2d"
-    assert (fused, "x86.onednn_conv") in _kernels(lowered)
+    assert (fused, "onednn.conv2d_add") in _kernels(lowered)
     assert not [n for n in lowered.graph.nodes if n.target in (torch.add, operator.add)]
     _assert_within_one_step(
         lowered, reference, _batches((2, 8, 10, 10), seed=1), lowered.conv.scale
