@@ -13,6 +13,10 @@ the kernel library (``qcore.kernels``) in the backend's list: a plain or relu
 conv/linear with a full-range int8 output runs there as fast, without converting
 its tensors.
 
+The ``onednn`` backend (FX, torch.ao's onednn config) fuses ``conv -> add [-> relu]``
+at prepare into ``ConvAdd2d``/``ConvAddReLU2d``; :class:`OnednnPackedConvAdd` runs
+those as torch.ao's onednn backend does (``quantized::conv2d_add[_relu]``).
+
 Why 7 bits: without VNNI, oneDNN (like fbgemm, and torch's ``quantized`` ops on
 either) sums pairs of u8*s8 products in 16 bits, which saturate once activations
 use the 8th bit. ``X86Quantizer`` quantizes activations to 7 bits on such CPUs
