@@ -27,7 +27,7 @@ from torch.fx import GraphModule
 from qcore.config import BackendConfig
 from qcore.config.errors import describe
 from qcore.engine.convert import convert_to_reference, state_of
-from qcore.engine.explain import REPORT_KEY, Report
+from qcore.engine.explain import Report, report_of
 from qcore.engine.fuse import fuse_graph
 from qcore.engine.lower import lower
 from qcore.engine.prepare import prepare
@@ -274,7 +274,7 @@ def quantize(
 
 def explain(model: torch.nn.Module) -> Report:
     """Why each node of a prepared or converted model is (not) quantized."""
-    report = getattr(model, "meta", {}).get(REPORT_KEY) if isinstance(model, GraphModule) else None
+    report = report_of(model) if isinstance(model, GraphModule) else None
     if report is None:
         raise TypeError(
             f"model: got {type(model).__name__}; expected a model returned by "

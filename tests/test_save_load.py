@@ -76,5 +76,6 @@ def test_zoo_cnn_round_trips_through_torch_save():
     torch.save(converted, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
+    assert qcore.explain(loaded) == qcore.explain(converted)
     inputs = entry.calibration_data(1, seed=5)[0]
     torch.testing.assert_close(_run(loaded, inputs), _run(converted, inputs), rtol=0, atol=0)

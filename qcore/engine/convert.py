@@ -16,7 +16,7 @@ from torch.fx import GraphModule, Node
 
 from qcore import ops
 from qcore.engine.backend_annotator import is_quantized_dtype
-from qcore.engine.explain import REPORT_KEY, Entry, Report, Status
+from qcore.engine.explain import Entry, Report, Status, attach_report, report_of
 from qcore.engine.observe import DerivedObserver
 from qcore.engine.prepare import STATE_KEY, PreparedState
 from qcore.engine.reference import QParams, ReferenceModule, qparams_of, weight_names
@@ -149,7 +149,7 @@ def convert_to_reference(prepared: GraphModule, *, full_range: bool = True) -> G
     gm.graph.eliminate_dead_code()
     delete_unused_submodules(gm)
     gm.recompile()
-    report: Report = gm.meta[REPORT_KEY]
+    report: Report = report_of(gm)
     names = {node.name for node in gm.graph.nodes}
     entries = []
     for entry in report.entries:
@@ -160,7 +160,7 @@ def convert_to_reference(prepared: GraphModule, *, full_range: bool = True) -> G
                 Status.REFERENCE, "reference form (convert_to_reference_fx does not lower)"
             )
         entries.append(entry)
-    gm.meta[REPORT_KEY] = Report(report.backend, _with_inserted(entries, gm))
+    attach_report(gm, Report(report.backend, _with_inserted(entries, gm)))
     gm.meta[STATE_KEY] = state
     return gm
 

@@ -13,9 +13,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["Entry", "Report", "Status", "REPORT_KEY"]
+__all__ = ["Entry", "Report", "Status", "attach_report", "report_of"]
 
-REPORT_KEY = "qcore_report"
+# Kept twice because each copy survives a different way of copying a
+# GraphModule: deepcopy keeps ``meta`` but drops plain attributes; torch.load
+# rebuilds the module with empty ``meta`` but restores the attributes.
+_REPORT_KEY = _REPORT_ATTRIBUTE = "_qcore_report"
 
 
 class Status(enum.Enum):
@@ -59,6 +62,13 @@ class Report:
 
     def __iter__(self):
         return iter(self.entries)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Report):
+            return NotImplemented
+        return (self.backend, self.entries) == (other.backend, other.entries)
+
+    __hash__ = None  # mutable, like a list
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -124,3 +134,21 @@ def op_name(node: Any, modules: dict[str, torch.nn.Module]) -> str:
     if node.op == "call_method":
         return f".{node.target}()"
     return node.op
+
+
+def attach_report(gm: torch.fx.GraphModule, report: Report) -> Report:
+    """Record ``report`` as what :func:`qcore.explain` returns for ``gm``."""
+    gm.meta[_REPORT_KEY] = report
+    setattr(gm, _REPORT_ATTRIBUTE, report)
+    return report
+
+
+def report_of(model: Any) -> Report | None:
+    """The report the engine attached to ``model``, or None."""
+    for report in (
+        getattr(model, "meta", {}).get(_REPORT_KEY),
+        getattr(model, _REPORT_ATTRIBUTE, None),
+    ):
+        if isinstance(report, Report):
+            return report
+    return None

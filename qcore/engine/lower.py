@@ -26,7 +26,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from qcore import ops
-from qcore.engine.explain import REPORT_KEY, Entry, Report, Status
+from qcore.engine.explain import Entry, Report, Status, attach_report, report_of
 from qcore.engine.reference import ReferenceModule
 from qcore.kernels.runtime import TORCH_QUANTIZED_DTYPE, quiet_quantized_tensors
 from qcore.plugin.kernels import ActivationQParams, DynamicInput, KernelMatch, SameOp
@@ -116,7 +116,7 @@ class _Lowering:
         self.quantized: dict[tuple, Node] = {}  # (float node, qparams) -> quantize node
         self.inserted: set[Node] = set()
         # Only what the backend's config quantized is lowered; float ops stay float.
-        self.quantized_ops = {e.node for e in gm.meta[REPORT_KEY].reference}
+        self.quantized_ops = {e.node for e in report_of(gm).reference}
         self.lowered: dict[str, str] = {}  # node name -> kernel name
         self.fused_into: dict[str, str] = {}  # erased chain node name -> its root's name
         self.unlowered: dict[str, str] = {}  # node name -> reason
@@ -391,7 +391,7 @@ def lower(gm: GraphModule, kernels: tuple, backend: str) -> GraphModule:
 
 def _update_report(gm: GraphModule, lowering: _Lowering) -> None:
     """Explain entries in graph order; a fused chain's nodes follow its root."""
-    report: Report = gm.meta[REPORT_KEY]
+    report: Report = report_of(gm)
     by_name = {entry.node: entry for entry in report.entries}
     fused: dict[str, list[str]] = {}
     for name, root in lowering.fused_into.items():
@@ -404,7 +404,7 @@ def _update_report(gm: GraphModule, lowering: _Lowering) -> None:
                 entries.append(Entry(name, "quantize/dequantize", Status.NOT_AN_OP))
             else:
                 entries.append(_updated(entry, lowering, report.backend))
-    gm.meta[REPORT_KEY] = Report(report.backend, entries)
+    attach_report(gm, Report(report.backend, entries))
 
 
 def _updated(entry: Entry, lowering: _Lowering, backend: str) -> Entry:

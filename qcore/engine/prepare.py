@@ -18,7 +18,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from qcore.config import BackendConfig, BackendPatternConfig, DTypeConfig
 from qcore.config.errors import QCoreWarning
 from qcore.engine.backend_annotator import Decision, annotate_with_backend_config
-from qcore.engine.explain import REPORT_KEY, Entry, Report, Status
+from qcore.engine.explain import Entry, Report, Status, attach_report
 from qcore.engine.fuse import fuse_graph
 from qcore.engine.observe import insert_observers
 from qcore.engine.qconfigs import assign_qconfigs, qconfig_equals
@@ -146,8 +146,8 @@ def prepare(
         tuple(plan.points_of_observer),
     )
     gm.meta[STATE_KEY] = state
-    gm.meta[REPORT_KEY] = Report(backend_name, [entries[n.name] for n in gm.graph.nodes])
-    _warn_skipped(gm.meta[REPORT_KEY], qconfigs)
+    report = Report(backend_name, [entries[n.name] for n in gm.graph.nodes])
+    _warn_skipped(attach_report(gm, report), qconfigs)
     return gm
 
 

@@ -18,7 +18,7 @@ from torch.fx import GraphModule, Node
 from qcore import ops
 from qcore.engine.backend_annotator import is_quantized_dtype
 from qcore.engine.convert import _replace_observer
-from qcore.engine.explain import REPORT_KEY, Entry, Report, Status
+from qcore.engine.explain import Entry, Report, Status, attach_report, report_of
 from qcore.engine.lower import lower as lower_to_kernels
 from qcore.engine.observe import DerivedObserver
 from qcore.engine.reference import QParams, qparams_of
@@ -140,8 +140,10 @@ def convert_reference(prepared: GraphModule) -> GraphModule:
     gm.delete_all_unused_submodules()
     _delete_unused_constants(gm)
     gm.recompile()
-    gm.meta[PT2E_STATE_KEY] = state
-    gm.meta[REPORT_KEY] = _reference_report(prepared.meta.get(REPORT_KEY), gm, state)
+    # A converted model is done with the kernels (engine functions, which do
+    # not pickle): torch.save takes it whole.
+    del gm.meta[PT2E_STATE_KEY]
+    attach_report(gm, _reference_report(report_of(prepared), gm, state))
     return gm
 
 
@@ -197,13 +199,13 @@ def convert_pt2e(model: GraphModule, lower: bool = True) -> GraphModule:
     gm = convert_reference(model)
     if not lower:
         return gm
-    state = _state_of(gm)
-    report: Report = gm.meta[REPORT_KEY]
+    state = _state_of(model)
+    report: Report = report_of(gm)
     references = to_reference_modules(gm, {e.node for e in report.reference})
     kept = [e for e in report.entries if e.node in {n.name for n in gm.graph.nodes}]
     for name, pattern in references.items():
         kept.append(Entry(name, pattern, Status.REFERENCE, "no kernel took it", pattern))
-    gm.meta[REPORT_KEY] = Report(state.backend_name, kept)
+    attach_report(gm, Report(state.backend_name, kept))
     lowered = lower_to_kernels(gm, state.kernels, state.backend_name)
     _delete_unused_constants(lowered)
     return lowered

@@ -17,11 +17,12 @@ import torch
 from torch.fx import GraphModule, Node
 
 from qcore.config.errors import describe
-from qcore.engine.explain import REPORT_KEY, Entry, Report, Status
+from qcore.engine.explain import Entry, Report, Status, attach_report
 from qcore.engine.observe import ObserverPlan, insert_observers
 from qcore.pt2e.backend_quantizer import PATTERN_KEY, REASON_KEY, BackendQuantizer
 from qcore.pt2e.fold import fold_conv_bn
 from qcore.pt2e.graph import annotations_of, as_exported_module, is_tensor_node
+from qcore.pt2e.guard import replace_export_guard
 from qcore.pt2e.patterns import packet
 from qcore.quantizer.quantizer import Quantizer
 
@@ -149,7 +150,8 @@ def _prepare(model: Any, quantizer: Any, is_qat: bool) -> GraphModule:
     names = tuple(plan.points_of_observer)
     full_range = bool(getattr(chosen, "full_range", False))
     gm.meta[PT2E_STATE_KEY] = Pt2eState(backend_name, kernels, is_qat, names, full_range)
-    gm.meta[REPORT_KEY] = _report(gm, backend_name, set(names))
+    attach_report(gm, _report(gm, backend_name, set(names)))
+    replace_export_guard(gm)
     return gm
 
 
