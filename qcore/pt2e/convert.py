@@ -123,6 +123,7 @@ def convert_reference(prepared: GraphModule) -> GraphModule:
         for module in prepared.modules()
         if isinstance(module, DerivedObserver)
     }
+    memo[id(state)] = state  # its kernels are not copied only to be dropped below
     gm = quiet_deepcopy(prepared, memo)
     gm.eval()
     _to_eval(gm)
