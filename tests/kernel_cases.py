@@ -148,10 +148,36 @@ CASES: dict[str, Case] = {
     "tanh": Case(lambda: Fn(lambda m, x: torch.tanh(x)), ((2, 8, 5),), "tanh"),
     "hardsigmoid": Case(lambda: nn.Hardsigmoid(), ((2, 8, 5),), "hardsigmoid"),
     "relu": Case(
-        lambda: seq(nn.Linear(8, 8), nn.Identity(), nn.ReLU6()), ((3, 8),), "relu", node="2"
+        lambda: seq(nn.Linear(8, 8), nn.Identity(), nn.ReLU()), ((3, 8),), "relu", node="2"
+    ),
+    "relu6": Case(
+        lambda: seq(nn.Linear(8, 8), nn.Identity(), nn.ReLU6()), ((3, 8),), "clamp", node="2"
     ),
     "hardtanh": Case(
-        lambda: seq(nn.Linear(8, 8), nn.Hardtanh(-0.5, 0.5)), ((3, 8),), "relu", node="1"
+        lambda: seq(nn.Linear(8, 8), nn.Hardtanh(-0.5, 0.5)), ((3, 8),), "clamp", node="1"
+    ),
+    # After a conv, the input is channels-last (every int8 conv returns that layout);
+    # torch 2.13's qnnpack clamp scrambles such an input.
+    "conv2d_relu6": Case(
+        lambda: seq(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU6()),
+        ((2, 3, 6, 6),),
+        "clamp",
+        node="1",
+    ),
+    "conv3d_hardtanh": Case(
+        lambda: Fn(lambda m, x: F.hardtanh(m.children_[0](x), -0.4, 0.6), nn.Conv3d(2, 3, 1)),
+        ((1, 2, 3, 4, 4),),
+        "clamp",
+        node="hardtanh",
+    ),
+    "conv2d_clamp": Case(
+        lambda: Fn(lambda m, x: m.children_[0](x).clamp(-0.3, 0.5), nn.Conv2d(3, 4, 1)),
+        ((2, 3, 5, 5),),
+        "clamp",
+        node="clamp",
+    ),
+    "conv2d_elu": Case(
+        lambda: seq(nn.Conv2d(3, 4, 3, padding=1), nn.ELU(0.5)), ((2, 3, 6, 6),), "elu", node="1"
     ),
     "max_pool2d": Case(
         lambda: seq(nn.Conv2d(3, 4, 1), nn.MaxPool2d(2)),

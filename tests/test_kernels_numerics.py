@@ -3,7 +3,8 @@
 For each case of ``kernel_cases`` (one op or fused chain per model) and each
 backend: the converted model runs the expected kernel (or, where the engine
 has none, stays in reference form and explain gives the reason), and its
-output agrees with ``convert_to_reference_fx``'s within one quantization step
+output, run with torch.backends.quantized.engine set to the backend as its
+users do, agrees with ``convert_to_reference_fx``'s within one quantization step
 of the output (plus float rounding).
 
 Legitimate differences, bounded differently:
@@ -21,12 +22,18 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from backends import FIRST_PARTY, backend_params, requires_fbgemm
 from kernel_cases import CASES, build, output_scale
+from zoo.baseline import quantized_engine
 
 import qcore
 from qcore.kernels import UNAVAILABLE
-from qcore.kernels.runtime import SATURATING_ENGINES, int8_products_saturate
+from qcore.kernels.runtime import (
+    SATURATING_ENGINES,
+    int8_products_saturate,
+    quiet_quantized_tensors,
+)
 
 
 def _first(output):
@@ -55,7 +62,7 @@ def test_kernel_matches_reference(name, backend):
         assert "qnnpack has no fp16 packed linear" in " ".join(e.reason for e in report.reference)
     else:
         assert kernel in used, str(report)
-    with torch.no_grad():
+    with torch.no_grad(), quantized_engine(backend):
         actual = _first(built.converted(*built.inputs))
         expected = _first(built.reference(*built.inputs))
     assert actual.shape == expected.shape and not actual.is_quantized
@@ -96,3 +103,49 @@ def test_kernel_library_covers_every_engine():
         assert all(k.name.startswith(engine + ".") for k in kernels)
     with pytest.raises(ValueError, match="covers"):
         kernels_for("mychip")
+
+
+@pytest.mark.parametrize("engine", ["fbgemm", "qnnpack"])
+@pytest.mark.parametrize(
+    "shape, layout",
+    [
+        ((2, 8, 5, 5), torch.channels_last),
+        ((2, 8, 3, 4, 4), torch.channels_last_3d),
+        ((2, 8, 5, 5), torch.contiguous_format),
+    ],
+    ids=["channels_last", "channels_last_3d", "contiguous"],
+)
+def test_clamp_and_elu_keep_their_input_layout(engine, shape, layout):
+    """An int8 conv returns channels-last: the clamp (relu6, hardtanh) and elu kernels
+    return that layout too, so the next conv does not copy its input, and their values
+    are right in every layout (torch 2.13's qnnpack clamp alone scrambles channels-last)."""
+    from qcore.kernels.activations import QuantizedClamp, QuantizedELU
+    from qcore.plugin.kernels import ActivationQParams
+
+    quiet_quantized_tensors()
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=generator) * 3
+    qx = torch.quantize_per_tensor(x, 0.05, 128, torch.quint8).contiguous(memory_format=layout)
+    output = ActivationQParams(0.04, 100, torch.quint8)
+    with quantized_engine(engine):
+        clamped = QuantizedClamp(0.0, 6.0, None)(qx)
+        elu = QuantizedELU(output, 0.5)(qx)
+        strided = QuantizedClamp(0.0, 6.0, None)(qx[:, ::2])  # neither layout: copied
+    for result in (clamped, elu):
+        assert result.is_contiguous(memory_format=layout)
+    assert torch.equal(clamped.dequantize(), qx.dequantize().clamp(0, 6))
+    assert torch.equal(strided.dequantize(), qx[:, ::2].dequantize().clamp(0, 6))
+    expected = torch.quantize_per_tensor(F.elu(qx.dequantize(), 0.5), 0.04, 100, torch.quint8)
+    assert (elu.int_repr().int() - expected.int_repr().int()).abs().max() <= 1
+
+
+def test_clamp_requantizes_to_its_own_output_qparams():
+    from qcore.kernels.activations import QuantizedClamp
+    from qcore.plugin.kernels import ActivationQParams
+
+    quiet_quantized_tensors()
+    qx = torch.quantize_per_tensor(torch.linspace(-4, 8, 50), 0.05, 128, torch.quint8)
+    output = ActivationQParams(0.025, 0, torch.quint8)
+    result = QuantizedClamp(0.0, 6.0, output)(qx)
+    assert (result.q_scale(), result.q_zero_point()) == (0.025, 0)
+    assert torch.equal(result.dequantize(), qx.dequantize().clamp(0, 6))

@@ -1,12 +1,14 @@
-"""Kernels for activations: relu-like ops on int8 as they are, fixed-qparams
-ops (sigmoid, tanh, hardsigmoid), and hardswish, elu and leaky relu, which
-requantize to their output's qparams inside torch's kernel.
+"""Kernels for activations: relu on int8 as it is; relu6, hardtanh and clamp on
+int8 in any memory layout; fixed-qparams ops (sigmoid, tanh, hardsigmoid); and
+hardswish, elu and leaky relu, which requantize to their output's qparams inside
+torch's kernel.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.fx import Node
 
 from qcore.kernels.common import (
     OutputKernel,
@@ -15,22 +17,100 @@ from qcore.kernels.common import (
     require,
     same_as_input,
 )
+from qcore.kernels.layout import elementwise_in_memory_order
 from qcore.plugin.kernels import ActivationQParams, KernelMatch, SameOp
 
 __all__ = [
+    "QuantizedClamp",
     "QuantizedELU",
     "QuantizedHardswish",
     "QuantizedLeakyReLU",
-    "lower_clamp_like",
+    "lower_clamp",
     "lower_fixed_qparams",
+    "lower_relu",
 ]
 
+aten = torch.ops.aten
 
-def lower_clamp_like(match: KernelMatch) -> SameOp:
-    """relu, relu6, hardtanh, clamp: torch clamps the int8 values with the
-    bounds quantized in the input's qparams, exactly what the reference computes."""
+
+def lower_relu(match: KernelMatch) -> SameOp:
+    """relu: torch clamps the int8 values at the input's zero point, exactly what
+    the reference computes."""
     one_quantized_input(match)
     return same_as_input(match)
+
+
+class QuantizedClamp(torch.nn.Module):
+    """relu6, hardtanh and clamp on int8: ``torch.clamp`` with the bounds, which
+    torch applies to the int8 values in the input's qparams (exact), then a
+    requantization where the output's qparams differ from the input's.
+
+    torch 2.13's qnnpack clamp (what hardtanh, relu6 and clamp with both bounds
+    run under the qnnpack engine) reads a channels-last input as if it were
+    contiguous and returns its values scrambled; every int8 conv returns
+    channels-last. So the clamp runs on the input's memory in its own order.
+    """
+
+    returns_quantized = True
+
+    def __init__(
+        self, low: float | None, high: float | None, output: ActivationQParams | None
+    ) -> None:
+        super().__init__()
+        self.low, self.high = low, high
+        self.requantize_to = output  # None: the output keeps the input's qparams
+        # clamping keeps values inside a narrowed (7-bit) input range; a requantization
+        # uses the dtype's full range
+        self.honors_quant_range = output is None
+
+    def forward(self, x: torch.Tensor, *constants, **named_constants) -> torch.Tensor:
+        clamped = elementwise_in_memory_order(self._clamp, x)
+        if self.requantize_to is None:
+            return clamped
+        output = self.requantize_to
+        return torch.quantize_per_tensor(
+            clamped.dequantize(), output.scale, output.zero_point, output.dtype
+        )
+
+    def _clamp(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.clamp(x, self.low, self.high)
+
+    def extra_repr(self) -> str:
+        requantize = "" if self.requantize_to is None else f", requantize_to={self.requantize_to}"
+        return f"low={self.low}, high={self.high}{requantize}"
+
+
+def _constant(value, name: str):
+    require(not isinstance(value, Node), f"argument {name!r} is computed in the graph")
+    return None if value is None else float(value)
+
+
+def clamp_bounds(match: KernelMatch) -> tuple[float | None, float | None]:
+    """The (low, high) bounds of a relu6, hardtanh or clamp call or module."""
+    if isinstance(match.module, torch.nn.Hardtanh):  # ReLU6 is one
+        return float(match.module.min_val), float(match.module.max_val)
+    target, args, kwargs = match.root.target, match.root.args, match.root.kwargs
+    if target is F.relu6:
+        return 0.0, 6.0
+    if target is F.hardtanh:
+        bounds = bound_arguments(match, F.hardtanh)
+        return float(bounds["min_val"]), float(bounds["max_val"])
+    if target in (aten.hardtanh.default, aten.hardtanh_.default):
+        low = args[1] if len(args) > 1 else kwargs.get("min_val", -1.0)
+        high = args[2] if len(args) > 2 else kwargs.get("max_val", 1.0)
+        return _constant(low, "min_val"), _constant(high, "max_val")
+    # torch.clamp(x, min=None, max=None) and Tensor.clamp
+    low = args[1] if len(args) > 1 else kwargs.get("min")
+    high = args[2] if len(args) > 2 else kwargs.get("max")
+    require(low is not None or high is not None, "clamp without bounds")
+    return _constant(low, "min"), _constant(high, "max")
+
+
+def lower_clamp(match: KernelMatch) -> QuantizedClamp:
+    """relu6, hardtanh, clamp (see :class:`QuantizedClamp`)."""
+    produces = same_as_input(match).produces
+    requantize_to = None if match.output == produces else match.output
+    return QuantizedClamp(*clamp_bounds(match), requantize_to)
 
 
 # What torch's int8 kernels produce: scale, zero point per output dtype.
@@ -76,6 +156,10 @@ class QuantizedELU(OutputKernel):
         self.alpha = float(alpha)
 
     def forward(self, x: torch.Tensor, *constants, **named_constants) -> torch.Tensor:
+        # torch's int8 elu returns a contiguous tensor: the next conv would copy it back
+        return elementwise_in_memory_order(self._elu, x)
+
+    def _elu(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.elu(x, self.scale, self.zero_point, self.alpha)
 
     def extra_repr(self) -> str:

@@ -150,11 +150,10 @@ def families() -> list[tuple[str, list, object]]:
             [torch.nn.Hardsigmoid, F.hardsigmoid, "hardsigmoid"],
             functools.partial(activations.lower_fixed_qparams, op="hardsigmoid"),
         ),
+        ("relu", [*RELU, "relu_"], activations.lower_relu),
         (
-            "relu",
+            "clamp",
             [
-                *RELU,
-                "relu_",
                 torch.nn.ReLU6,
                 F.relu6,
                 torch.nn.Hardtanh,
@@ -164,7 +163,7 @@ def families() -> list[tuple[str, list, object]]:
                 aten.hardtanh.default,
                 aten.hardtanh_.default,
             ],
-            activations.lower_clamp_like,
+            activations.lower_clamp,
         ),
         ("pool_and_shape", list(shape.SELECTING_PATTERNS), shape.lower_selecting),
         ("average", list(shape.AVERAGING_PATTERNS), shape.lower_averaging),

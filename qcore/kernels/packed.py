@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from qcore.engine.reference import QParams, ReferenceModule, weighted_child
-from qcore.kernels.runtime import TORCH_QUANTIZED_DTYPE, packing_engine, quiet_quantized_tensors
+from qcore.kernels.runtime import TORCH_QUANTIZED_DTYPE, quiet_quantized_tensors, using_engine
 
 __all__ = ["OutputQParamsState", "PackedWeights"]
 
@@ -111,11 +111,11 @@ class PackedWeights(OutputQParamsState):
         )
 
     def pack(self) -> Any:
-        """The packed object for the current engine (called inside packing_engine)."""
+        """The packed object for the current engine (called inside ``using_engine``)."""
         raise NotImplementedError
 
     def repack(self) -> None:
-        with packing_engine(self.engine):
+        with using_engine(self.engine):
             self._packed = self.pack()
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:

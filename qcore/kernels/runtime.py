@@ -20,7 +20,7 @@ import torch
 __all__ = [
     "TORCH_QUANTIZED_DTYPE",
     "int8_products_saturate",
-    "packing_engine",
+    "using_engine",
     "quiet_quantized_tensors",
     "to_torch_qtensor",
 ]
@@ -66,8 +66,10 @@ def quiet_quantized_tensors() -> None:
 
 
 @contextlib.contextmanager
-def packing_engine(engine: str) -> Iterator[None]:
-    """Pack weights for ``engine`` whatever the global quantized engine is."""
+def using_engine(engine: str) -> Iterator[None]:
+    """torch's global quantized engine set to ``engine`` for the block: to pack
+    weights for it whatever the user's setting, or to run ops that read the
+    global engine (clamp, add, pooling) as the backend's users do."""
     if engine not in torch.backends.quantized.supported_engines:
         raise RuntimeError(
             f"quantized engine {engine!r} is not available in this torch build; "

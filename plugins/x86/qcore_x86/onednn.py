@@ -33,7 +33,7 @@ from torch import nn
 
 from qcore.engine.reference import ReferenceModule, weighted_child
 from qcore.kernels.packed import PackedWeights
-from qcore.kernels.runtime import int8_products_saturate, packing_engine
+from qcore.kernels.runtime import int8_products_saturate, using_engine
 from qcore.kernels.weighted import QuantizedConv
 from qcore.plugin.kernels import ActivationQParams, Kernel, KernelMatch
 from qcore.pt2e.fused import WeightedWithPostOps
@@ -254,7 +254,7 @@ class OnednnPackedConvAdd(QuantizedConv):
     def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         op = torch.ops.quantized.conv2d_add_relu if self.relu else torch.ops.quantized.conv2d_add
         # The op checks the global quantized engine, not the packed weights' (torch 2.13).
-        with packing_engine("onednn"):
+        with using_engine("onednn"):
             return op(x, other, self._packed, self.scale, self.zero_point)
 
     def extra_repr(self) -> str:
