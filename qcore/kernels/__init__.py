@@ -2,18 +2,20 @@
 
 Modules by family: ``weighted`` (linear, conv, conv-transpose), ``binary``
 (add, mul, cat, matmul), ``activations``, ``norms``, ``shape`` (pooling and
-shape ops on int8 as they are), ``dynamic`` (dynamic linear, LSTM, GRU),
+shape ops on int8 as they are), ``layout`` (elementwise ops in the
+input's memory order), ``dynamic`` (dynamic linear, LSTM, GRU),
 ``embedding`` (weight-only), ``onednn`` (x86's fused kernels); ``packed``
-(save/load of packed weights), ``runtime`` (engine-scoped packing) and
+(save/load of packed weights), ``runtime`` (the engine in use, scoped) and
 ``library`` (the full set per engine).
 """
 
-from qcore.kernels.library import ENGINES, UNAVAILABLE, kernels_for
+from qcore.kernels.library import ENGINES, PACKED_AS, UNAVAILABLE, kernels_for
 from qcore.kernels.weighted import QuantizedConv, QuantizedConvTranspose, QuantizedLinear
 from qcore.plugin.kernels import ActivationQParams
 
 __all__ = [
     "ENGINES",
+    "PACKED_AS",
     "UNAVAILABLE",
     "ActivationQParams",
     "QuantizedConv",
