@@ -176,6 +176,12 @@ CASES: dict[str, Case] = {
         "clamp",
         node="clamp",
     ),
+    "conv2d_clamp_min": Case(
+        lambda: Fn(lambda m, x: torch.clamp(m.children_[0](x), min=-0.2), nn.Conv2d(3, 4, 1)),
+        ((2, 3, 5, 5),),
+        "clamp",
+        node="clamp",
+    ),
     "conv2d_elu": Case(
         lambda: seq(nn.Conv2d(3, 4, 3, padding=1), nn.ELU(0.5)), ((2, 3, 6, 6),), "elu", node="1"
     ),

@@ -48,9 +48,10 @@ BACKENDS = {
     "x86": ("qcore_x86.plugin", _ao_x86, 192),
     "onednn": ("qcore_x86.onednn_plugin", _ao_onednn, 221),
 }
-ENGINES = {"onednn": {"onednn", "x86"}}
+ENGINES = {"onednn": {"onednn", "x86", "fbgemm"}, "x86": {"x86", "fbgemm"}}
 """The quantized engines a backend's kernels run on, where not only the backend's name
-(onednn: its convs packed for the onednn engine, the rest as x86's)."""
+(onednn: its convs packed for the onednn engine, the rest as x86's; x86: its
+conv_transpose packed for fbgemm, qcore.kernels.PACKED_AS)."""
 
 _TRANSPOSED_CONV_BN = [
     (nn.ConvTranspose1d, nn.BatchNorm1d),

@@ -30,7 +30,8 @@ torch.ao raised on none of the zoo models (fbgemm, qnnpack, x86). What it does b
   torch's quantized relu6/hardtanh kernel on the qnnpack engine ignores channels_last inputs
   (which qnnpack's conv produces) and returns values in the wrong memory order. Repro: a
   channels_last quint8 tensor through nn.ReLU6 with engine qnnpack differs from clamp(0, 6);
-  with fbgemm it matches. Other models under qnnpack: resnet18_like 24.0, mlp 39.1,
+  with fbgemm it matches. (qcore's clamp kernel runs it on the NHWC view of the same memory:
+  20 dB, benchmarks/RESULTS.md.) Other models under qnnpack: resnet18_like 24.0, mlp 39.1,
   transformer_block 35.6, lstm 47.7 dB. x86 matches fbgemm (21.9, 16.6, 34.1, 29.7, 42.9 dB).
 - The first torch.ao prepare_fx in a process paid 1-9 s of one-time set-up in standalone
   runs; afterwards prepare + calibrate + convert takes 0.02-0.5 s per zoo model.

@@ -48,14 +48,14 @@ class QuantizedClamp(torch.nn.Module):
     torch 2.13's qnnpack clamp (what hardtanh, relu6 and clamp with both bounds
     run under the qnnpack engine) reads a channels-last input as if it were
     contiguous and returns its values scrambled; every int8 conv returns
-    channels-last. So the clamp runs on the input's memory in its own order.
+    channels-last. So under that engine, the clamp runs on the input's memory
+    in its own order. (A model lowered for another engine keeps torch's op: run
+    a backend's model under its own engine.)
     """
 
     returns_quantized = True
 
-    def __init__(
-        self, low: float | None, high: float | None, output: ActivationQParams | None
-    ) -> None:
+    def __init__(self, low: float, high: float, output: ActivationQParams | None) -> None:
         super().__init__()
         self.low, self.high = low, high
         self.requantize_to = output  # None: the output keeps the input's qparams
@@ -64,7 +64,10 @@ class QuantizedClamp(torch.nn.Module):
         self.honors_quant_range = output is None
 
     def forward(self, x: torch.Tensor, *constants, **named_constants) -> torch.Tensor:
-        clamped = elementwise_in_memory_order(self._clamp, x)
+        if x.is_contiguous() or torch.backends.quantized.engine != "qnnpack":
+            clamped = torch.clamp(x, self.low, self.high)  # right there; permuting costs
+        else:
+            clamped = elementwise_in_memory_order(self._clamp, x)
         if self.requantize_to is None:
             return clamped
         output = self.requantize_to
@@ -106,11 +109,31 @@ def clamp_bounds(match: KernelMatch) -> tuple[float | None, float | None]:
     return _constant(low, "min"), _constant(high, "max")
 
 
-def lower_clamp(match: KernelMatch) -> QuantizedClamp:
-    """relu6, hardtanh, clamp (see :class:`QuantizedClamp`)."""
-    produces = same_as_input(match).produces
+def lower_clamp(match: KernelMatch) -> QuantizedClamp | SameOp:
+    """relu6, hardtanh, clamp. torch's op as it is where it is right (two bounds,
+    an engine other than qnnpack: no Python in between), else
+    :class:`QuantizedClamp`. torch's int8 clamp takes both bounds: a missing one
+    is the input's most extreme value, which clamps nothing."""
+    same = same_as_input(match)
+    produces = same.produces
+    low, high = clamp_bounds(match)
+    if match.engine != "qnnpack" and low is not None and high is not None:
+        return same
     requantize_to = None if match.output == produces else match.output
-    return QuantizedClamp(*clamp_bounds(match), requantize_to)
+    smallest, largest = _INTEGER_RANGE[produces.dtype]
+    if low is None:
+        low = (smallest - produces.zero_point) * produces.scale
+    if high is None:
+        high = (largest - produces.zero_point) * produces.scale
+    return QuantizedClamp(low, high, requantize_to)
+
+
+_INTEGER_RANGE = {
+    torch.quint8: (0, 255),
+    torch.uint8: (0, 255),
+    torch.qint8: (-128, 127),
+    torch.int8: (-128, 127),
+}
 
 
 # What torch's int8 kernels produce: scale, zero point per output dtype.
