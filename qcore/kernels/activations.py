@@ -112,8 +112,8 @@ def clamp_bounds(match: KernelMatch) -> tuple[float | None, float | None]:
 def lower_clamp(match: KernelMatch) -> QuantizedClamp | SameOp:
     """relu6, hardtanh, clamp. torch's op as it is where it is right (two bounds,
     an engine other than qnnpack: no Python in between), else
-    :class:`QuantizedClamp`. torch's int8 clamp takes both bounds: a missing one
-    is the input's most extreme value, which clamps nothing."""
+    :class:`QuantizedClamp`. torch's qnnpack int8 clamp needs both bounds: a
+    missing one is the input's most extreme value, which clamps nothing."""
     same = same_as_input(match)
     produces = same.produces
     low, high = clamp_bounds(match)
