@@ -18,6 +18,7 @@ from qcore.kernels.common import (
     same_as_input,
 )
 from qcore.kernels.layout import elementwise_in_memory_order
+from qcore.ops import storage_dtype
 from qcore.plugin.kernels import ActivationQParams, KernelMatch, SameOp
 
 __all__ = [
@@ -65,7 +66,7 @@ class QuantizedClamp(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, *constants, **named_constants) -> torch.Tensor:
         if x.is_contiguous() or torch.backends.quantized.engine != "qnnpack":
-            clamped = torch.clamp(x, self.low, self.high)  # right there; permuting costs
+            clamped = self._clamp(x)  # torch's clamp is right there; permuting costs
         else:
             clamped = elementwise_in_memory_order(self._clamp, x)
         if self.requantize_to is None:
@@ -120,20 +121,12 @@ def lower_clamp(match: KernelMatch) -> QuantizedClamp | SameOp:
     if match.engine != "qnnpack" and low is not None and high is not None:
         return same
     requantize_to = None if match.output == produces else match.output
-    smallest, largest = _INTEGER_RANGE[produces.dtype]
+    values = torch.iinfo(storage_dtype(produces.dtype))
     if low is None:
-        low = (smallest - produces.zero_point) * produces.scale
+        low = (values.min - produces.zero_point) * produces.scale
     if high is None:
-        high = (largest - produces.zero_point) * produces.scale
+        high = (values.max - produces.zero_point) * produces.scale
     return QuantizedClamp(low, high, requantize_to)
-
-
-_INTEGER_RANGE = {
-    torch.quint8: (0, 255),
-    torch.uint8: (0, 255),
-    torch.qint8: (-128, 127),
-    torch.int8: (-128, 127),
-}
 
 
 # What torch's int8 kernels produce: scale, zero point per output dtype.
