@@ -121,7 +121,22 @@ class QuantizedConv(PackedWeights):
 
     @classmethod
     def lower(cls, match: KernelMatch, relu: bool = False):
-        return cls(_reference(match), match.output, relu, match.engine)
+        reference = _reference(match)
+        return cls(reference, match.output, relu, _conv_engine(reference, match))
+
+
+# torch 2.13's x86 engine hands convs with more than this many groups to fbgemm,
+# whose depthwise kernel sums u8*s8 products in 16 bits even on CPUs with VNNI.
+_X86_GROUPS_ON_FBGEMM = 100
+
+
+def _conv_engine(reference: ReferenceModule, match: KernelMatch) -> str:
+    """The engine to pack a conv for: oneDNN's for x86 depthwise convs with 8-bit
+    activations (fbgemm's saturate: tens of steps off), else the match's."""
+    if match.engine != "x86" or match.inputs[0].quant_range is not None:
+        return match.engine
+    wide = weighted_child(reference.module).groups > _X86_GROUPS_ON_FBGEMM
+    return "onednn" if wide else match.engine
 
 
 class QuantizedConvTranspose(PackedWeights):

@@ -112,16 +112,18 @@ def test_onednn_kernel_matches_reference(kind, post, residual, int8_out):
     prepared, batches = _quantize(kind, post, residual, int8_out)
     reference = qcore.convert_pt2e(prepared, lower=False)
     lowered = qcore.convert_pt2e(prepared)
-    name = "conv" if kind == "conv" else "fc"
-    taken = [k for node, k in _kernels(lowered).items() if node.startswith(name)]
-    # A plain or relu pattern with a full-range int8 output is the library's.
+    weighted = (f"x86.{kind}", f"x86.onednn_{kind}")
+    # The pattern under test is the model's last weighted op (a residual's
+    # shortcut conv comes first).
+    taken = [k for k in _kernels(lowered).values() if k.startswith(weighted)][-1:]
+    # A plain or relu pattern with a full-range int8 output (reduce_range is off
+    # on CPUs with VNNI) is the kernel library's, named after the fused pattern.
     library = int8_out and not residual and post in ("none", "relu")
     library = library and X86Quantizer().reduce_range is False
-    assert (
-        taken == [f"x86.{kind}2d" if kind == "conv" else "x86.linear"]
-        if library
-        else [f"x86.onednn_{kind}"]
-    ), _kernels(lowered)
+    library_kernel = ("x86.conv2d" if kind == "conv" else "x86.linear") + (
+        "_relu" if post == "relu" else ""
+    )
+    assert taken == ([library_kernel] if library else [f"x86.onednn_{kind}"]), _kernels(lowered)
     with torch.no_grad():
         for batch in _inputs(kind, 3):
             expected, actual = reference(*batch), lowered(*batch)
