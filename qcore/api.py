@@ -26,12 +26,20 @@ from torch.fx import GraphModule
 
 from qcore.config import BackendConfig
 from qcore.config.errors import describe
+from qcore.config.qconfig import as_qconfig_mapping
+from qcore.engine.constants import observe_constants
 from qcore.engine.convert import convert_to_reference, state_of
+from qcore.engine.custom_config import (
+    CustomConfig,
+    UnsupportedSetting,
+    as_custom_config,
+    copy_preserved,
+)
 from qcore.engine.explain import Report, report_of
 from qcore.engine.fuse import fuse_graph
 from qcore.engine.lower import lower
 from qcore.engine.prepare import prepare
-from qcore.engine.trace import as_custom_config, trace
+from qcore.engine.trace import trace
 from qcore.plugin import NATIVE, BackendLoadError, UnknownBackendError, get_backend, list_backends
 
 __all__ = [
@@ -132,12 +140,36 @@ def _make_fixed(spec: Any) -> torch.nn.Module:
 
 
 def _check_inputs(example_inputs: Any) -> tuple:
-    if not isinstance(example_inputs, tuple):
+    """The positional inputs as a tuple: a tuple as is, a list as its items, a tensor alone."""
+    if isinstance(example_inputs, tuple):
+        return example_inputs
+    if isinstance(example_inputs, list):
+        return tuple(example_inputs)
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    raise TypeError(
+        f"example_inputs: got {describe(example_inputs)}; expected a tuple of the model's "
+        "positional inputs, e.g. (torch.rand(1, 3, 224, 224),), a list, or a single tensor"
+    )
+
+
+def _check_mapping(qconfig_mapping: Any, installed: Any, is_qat: bool) -> Any:
+    """A QConfigMapping (qcore's or torch.ao's), or torch.ao's legacy qconfig dict."""
+    if qconfig_mapping is None:
+        return _default_mapping(installed, is_qat)
+    if isinstance(qconfig_mapping, dict):
+        return as_qconfig_mapping(qconfig_mapping)
+    if not hasattr(qconfig_mapping, "object_type_qconfigs"):
         raise TypeError(
-            f"example_inputs: got {describe(example_inputs)}; expected a tuple of the model's "
-            "positional inputs, e.g. (torch.rand(1, 3, 224, 224),)"
+            f"qconfig_mapping: got {describe(qconfig_mapping)}; expected a QConfigMapping "
+            "(qcore's or torch.ao's), a qconfig dict, or None for the backend's default"
         )
-    return example_inputs
+    return qconfig_mapping
+
+
+def _is_custom_config(value: Any) -> bool:
+    """torch.ao passes prepare_custom_config fourth, where qcore takes the backend."""
+    return isinstance(value, dict) or hasattr(value, "non_traceable_module_names")
 
 
 def _prepare(
@@ -149,25 +181,23 @@ def _prepare(
     backend_config: Any,
     is_qat: bool,
 ) -> GraphModule:
+    if _is_custom_config(backend) and prepare_custom_config is None:
+        backend, prepare_custom_config = None, backend
     name, config, kernels, installed = resolve_backend(backend, backend_config)
-    if qconfig_mapping is None:
-        qconfig_mapping = _default_mapping(installed, is_qat)
-    elif not hasattr(qconfig_mapping, "object_type_qconfigs"):
-        raise TypeError(
-            f"qconfig_mapping: got {describe(qconfig_mapping)}; expected a QConfigMapping "
-            "(qcore's or torch.ao's) or None for the backend's default"
-        )
-    return prepare(
+    custom_config = as_custom_config(prepare_custom_config)
+    prepared = prepare(
         model,
-        qconfig_mapping,
+        _check_mapping(qconfig_mapping, installed, is_qat),
         _check_inputs(example_inputs),
         name,
         config,
         kernels,
         is_qat=is_qat,
-        custom_config=as_custom_config(prepare_custom_config),
+        custom_config=custom_config,
         make_fixed=_make_fixed,
     )
+    copy_preserved(model, prepared, custom_config.preserved_attributes)
+    return prepared
 
 
 def prepare_fx(
@@ -224,19 +254,54 @@ def _check_same_backend(prepared: GraphModule, backend_config: Any) -> None:
         )
 
 
-def convert_fx(prepared: GraphModule, *, backend_config: Any = None) -> GraphModule:
+def _convert_settings(
+    prepared: GraphModule, convert_custom_config: Any, qconfig_mapping: Any, backend_config: Any
+) -> CustomConfig:
+    _check_same_backend(prepared, backend_config)
+    observe_constants(prepared)
+    if qconfig_mapping is not None:
+        raise UnsupportedSetting(
+            f"qconfig_mapping: got {describe(qconfig_mapping)}; changing QConfigs at convert is "
+            "not supported: pass the mapping you want to prepare_fx"
+        )
+    return as_custom_config(convert_custom_config, "convert_custom_config")
+
+
+def _finish(prepared: GraphModule, converted: GraphModule, settings: CustomConfig) -> GraphModule:
+    copy_preserved(prepared, converted, settings.preserved_attributes)
+    return converted
+
+
+def convert_fx(
+    prepared: GraphModule,
+    convert_custom_config: Any = None,
+    _remove_qconfig: bool = True,
+    qconfig_mapping: Any = None,
+    backend_config: Any = None,
+) -> GraphModule:
     """Convert a calibrated (or trained) prepared model and lower it to the
-    kernels of the backend chosen at prepare. Returns a new module."""
-    _check_same_backend(prepared, backend_config)
+    kernels of the backend chosen at prepare. Returns a new module.
+
+    The arguments are torch.ao's: ``convert_custom_config`` (preserved attributes,
+    custom module classes), ``backend_config`` (must be the prepare backend).
+    """
+    settings = _convert_settings(prepared, convert_custom_config, qconfig_mapping, backend_config)
     state = state_of(prepared)
-    return lower(convert_to_reference(prepared), state.kernels, state.backend_name)
+    converted = lower(convert_to_reference(prepared), state.kernels, state.backend_name)
+    return _finish(prepared, converted, settings)
 
 
-def convert_to_reference_fx(prepared: GraphModule, *, backend_config: Any = None) -> GraphModule:
+def convert_to_reference_fx(
+    prepared: GraphModule,
+    convert_custom_config: Any = None,
+    _remove_qconfig: bool = True,
+    qconfig_mapping: Any = None,
+    backend_config: Any = None,
+) -> GraphModule:
     """Convert to the reference representation (quantize -> dequantize -> float op
-    -> quantize) without lowering to kernels."""
-    _check_same_backend(prepared, backend_config)
-    return convert_to_reference(prepared)
+    -> quantize) without lowering to kernels. Arguments as :func:`convert_fx`."""
+    settings = _convert_settings(prepared, convert_custom_config, qconfig_mapping, backend_config)
+    return _finish(prepared, convert_to_reference(prepared), settings)
 
 
 def fuse_fx(
@@ -248,9 +313,13 @@ def fuse_fx(
     is_qat: bool = False,
 ) -> GraphModule:
     """A traced copy of ``model`` with the backend's fusion rules applied."""
+    if _is_custom_config(backend) and fuse_custom_config is None:
+        backend, fuse_custom_config = None, backend  # torch.ao's positional order
     _, config, _, _ = resolve_backend(backend, backend_config)
-    gm = trace(model, as_custom_config(fuse_custom_config))
+    settings = as_custom_config(fuse_custom_config, "fuse_custom_config")
+    gm = trace(model, settings)
     fuse_graph(gm, config, is_qat)
+    copy_preserved(model, gm, settings.preserved_attributes)
     return gm
 
 

@@ -127,10 +127,11 @@ def annotate_with_backend_config(
             entries[node.name] = Entry(node.name, op, Status.NOT_AN_OP)
             continue
         match = matches.get(node)
+        if match is not None and match.output not in tensor_nodes:
+            match = None  # list arithmetic (``[1] * n``), a bool mask: nothing to quantize
         if match is None and node not in tensor_nodes:
-            entries[node.name] = Entry(
-                node.name, op, Status.NOT_AN_OP, "computes no tensor (a shape or a size)"
-            )
+            reason = "computes no floating-point tensor (a shape, a size, a mask)"
+            entries[node.name] = Entry(node.name, op, Status.NOT_AN_OP, reason)
             continue
         if match is None:
             reason = fusion_notes.get(node) or (
@@ -165,7 +166,44 @@ def annotate_with_backend_config(
             continue
         decisions.append(Decision(match, qconfig, dtype_config))
         _annotate(match, qconfig, dtype_config, tensor_nodes, annotations, spec_cache)
+    _reuse_observed_inputs(annotations)
     return annotations, decisions, entries
+
+
+def _resolved(point: Any, annotations: dict[Node, QuantizationAnnotation]) -> Any:
+    """The spec a point ends at after following SharedQuantizationSpecs (None if unset)."""
+    seen = set()
+    while point is not None and id(point) not in seen:
+        seen.add(id(point))
+        if isinstance(point, tuple):
+            annotation = annotations.get(point[1])
+            spec = annotation.input_qspec_map.get(point[0]) if annotation else None
+        else:
+            annotation = annotations.get(point)
+            spec = annotation.output_qspec if annotation else None
+        if not isinstance(spec, SharedQuantizationSpec):
+            return spec
+        point = spec.edge_or_node
+    return None
+
+
+def _reuse_observed_inputs(annotations: dict[Node, QuantizationAnnotation]) -> None:
+    """torch.ao FX observes an input only when its producer's output is not already
+    quantized to the same dtype: the consumer then reads the producer's observer.
+
+    Without this a fixed-qparams op after a conv (conv -> sigmoid) would quantize
+    the conv's output with the op's fixed *output* qparams, clipping it to [0, 1),
+    and ``x * sigmoid(g)`` would re-observe sigmoid's output for the mul.
+    """
+    for annotation in annotations.values():
+        for producer, spec in list(annotation.input_qspec_map.items()):
+            if isinstance(spec, SharedQuantizationSpec) or getattr(spec, "is_dynamic", False):
+                continue
+            produced = _resolved(producer, annotations)
+            if produced is None or getattr(produced, "is_dynamic", False):
+                continue
+            if getattr(produced, "dtype", None) == getattr(spec, "dtype", None):
+                annotation.input_qspec_map[producer] = SharedQuantizationSpec(producer)
 
 
 def _match_qconfig(match: Match, qconfigs: Mapping[Node, Any]) -> tuple[Any, str | None]:

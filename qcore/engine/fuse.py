@@ -41,10 +41,13 @@ def fusion_rules(backend_config: BackendConfig) -> list:
 
 
 def _as_module(node: Node, modules: dict[str, torch.nn.Module]) -> torch.nn.Module | None:
+    """The module a node calls; a functional relu becomes an nn.ReLU in its caller's mode."""
     if node.op == "call_module":
         return modules[node.target]
     make = _AS_MODULE.get(node.target)
-    return make() if make is not None else None
+    if make is None:
+        return None
+    return make().train(modules[""].training)
 
 
 def _nested_modules(nested: Any, pattern: Any, modules: dict[str, torch.nn.Module]) -> Any:

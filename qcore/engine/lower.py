@@ -19,6 +19,7 @@ explain says why.
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from typing import Any
 
 import torch
@@ -243,7 +244,8 @@ class _Lowering:
     # ------------------------------------------------------------------ graph edits
 
     def _install(self, root: Node, module: torch.nn.Module) -> None:
-        if root.op == "call_module":
+        # A module called twice keeps its reference form for its other call.
+        if root.op == "call_module" and not self._called_elsewhere(root):
             name = root.target
         else:
             base, index, name = root.name, 0, root.name
@@ -254,6 +256,16 @@ class _Lowering:
         setattr(self.gm.get_submodule(parent_name) if parent_name else self.gm, attr, module)
         self.modules[name] = module
         root.op, root.target = "call_module", name
+
+    def _called_elsewhere(self, root: Node) -> bool:
+        if not hasattr(self, "_calls_per_module"):
+            self._calls_per_module = Counter(
+                node.target for node in self.gm.graph.nodes if node.op == "call_module"
+            )
+        if self._calls_per_module[root.target] > 1:
+            self._calls_per_module[root.target] -= 1  # this call moves to a module of its own
+            return True
+        return False
 
     def _collapse(self, chain: list[Node]) -> None:
         """The root takes the place of the whole chain."""

@@ -13,13 +13,15 @@ from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx.passes.shape_prop import ShapeProp
+from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+from torch.utils._pytree import tree_map
 
 from qcore.config import BackendConfig, BackendPatternConfig, DTypeConfig
 from qcore.config.errors import QCoreWarning
 from qcore.engine.backend_annotator import Decision, annotate_with_backend_config
 from qcore.engine.explain import Entry, Report, Status, attach_report
 from qcore.engine.fuse import fuse_graph
+from qcore.engine.infer import inferred_tensor_nodes
 from qcore.engine.observe import insert_observers
 from qcore.engine.qconfigs import assign_qconfigs, qconfig_equals
 from qcore.engine.trace import CustomConfig, trace
@@ -67,13 +69,44 @@ class PreparedState:
 
 
 def _tensor_nodes(gm: GraphModule, example_inputs: tuple) -> set[Node]:
-    """Nodes whose value is a Tensor, found by running the example inputs."""
+    """Nodes whose value is a Tensor, found by running copies of the example inputs.
+
+    The probe runs on clones, so in-place ops in the model never touch the caller's
+    tensors. torch.ao never runs the example inputs, so models whose inputs do not
+    run are accepted too: their tensor nodes are then inferred from the graph.
+    """
     training = gm.training
     gm.eval()  # the probe run must not move batch-norm statistics
-    with torch.no_grad():
-        ShapeProp(gm).propagate(*example_inputs)
-    gm.train(training)
-    return {node for node in gm.graph.nodes if "tensor_meta" in node.meta}
+    copies = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, example_inputs)
+    try:
+        with torch.no_grad():
+            ShapeProp(gm).propagate(*copies)
+    except Exception as error:  # noqa: BLE001 - any failure of the user's forward
+        warnings.warn(
+            f"prepare: the example inputs did not run through the model "
+            f"({type(error).__name__}: {str(error).splitlines()[0][:200]}); which values are "
+            "tensors was inferred from the graph instead. Pass example inputs the model runs on.",
+            QCoreWarning,
+            stacklevel=5,
+        )
+        return inferred_tensor_nodes(gm)
+    finally:
+        gm.train(training)
+    return {node for node in gm.graph.nodes if _holds_float(node.meta.get("tensor_meta"))}
+
+
+def _holds_float(meta: Any) -> bool:
+    """A floating-point tensor, or a container holding one: what can be quantized.
+
+    Bool masks and integer indices are tensors too, but never observed.
+    """
+    if isinstance(meta, TensorMetadata):
+        return meta.dtype.is_floating_point
+    if isinstance(meta, (list, tuple)):
+        return any(_holds_float(item) for item in meta)
+    if isinstance(meta, dict):
+        return any(_holds_float(item) for item in meta.values())
+    return False
 
 
 def _fused_qconfig(new_node: Node, old_nodes: list[Node], qconfigs: dict, notes: dict) -> None:
@@ -97,7 +130,10 @@ def _swap_qat_modules(gm: GraphModule, decisions: list[Decision]) -> None:
         if qat_class is None or root.op != "call_module":
             continue
         float_module = modules[root.target]
-        float_module.qconfig = decision.qconfig
+        # torch.ao's from_float reads the qconfig of the fused module's first part
+        # (LinearReLU -> its Linear), as propagate_qconfig_ would have set it.
+        for part in float_module.modules():
+            part.qconfig = decision.qconfig
         qat_module = qat_class.from_float(float_module)
         parent_name, _, attr = root.target.rpartition(".")
         setattr(gm.get_submodule(parent_name) if parent_name else gm, attr, qat_module)

@@ -1,8 +1,9 @@
 """Symbolic tracing for quantization, on a copy of the user's model.
 
 Modules from torch.nn and torch.ao.nn stay leaves (call_module nodes), as do
-the modules ``prepare_custom_config`` marks non-traceable. A model that cannot
-be traced gets an error naming the innermost module whose forward failed.
+the modules ``prepare_custom_config`` marks non-traceable and its custom module
+classes. A model that cannot be traced gets an error naming the innermost
+module whose forward failed.
 """
 
 from __future__ import annotations
@@ -10,13 +11,12 @@ from __future__ import annotations
 import copy
 import traceback
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch.fx import GraphModule, Tracer
 
 from qcore.config.errors import describe
+from qcore.engine.custom_config import CustomConfig, as_custom_config
 
 __all__ = [
     "CustomConfig",
@@ -29,50 +29,6 @@ __all__ = [
 
 class TraceFailure(RuntimeError):
     """symbolic tracing could not follow a module's forward."""
-
-
-@dataclass(frozen=True)
-class CustomConfig:
-    """What of prepare_custom_config the engine uses (torch.ao's key names)."""
-
-    non_traceable_module_names: tuple[str, ...] = ()
-    non_traceable_module_classes: tuple[type, ...] = ()
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def as_custom_config(config: Any) -> CustomConfig:
-    """Accept None, a dict with torch.ao's keys, or torch.ao's PrepareCustomConfig."""
-    if config is None:
-        return CustomConfig()
-    if isinstance(config, CustomConfig):
-        return config
-    if isinstance(config, dict):
-        known = {"non_traceable_module_name", "non_traceable_module_class"}
-        names = tuple(config.get("non_traceable_module_name", ()))
-        classes = tuple(config.get("non_traceable_module_class", ()))
-        extra = {k: v for k, v in config.items() if k not in known}
-    elif hasattr(config, "non_traceable_module_names"):
-        names = tuple(config.non_traceable_module_names)
-        classes = tuple(config.non_traceable_module_classes)
-        extra = {}
-    else:
-        raise TypeError(
-            f"prepare_custom_config: got {describe(config)}; expected None, a dict with keys "
-            "'non_traceable_module_name'/'non_traceable_module_class', or a PrepareCustomConfig"
-        )
-    for name in names:
-        if not isinstance(name, str):
-            raise TypeError(
-                f"prepare_custom_config['non_traceable_module_name']: got {describe(name)}; "
-                "expected module names (str)"
-            )
-    for cls in classes:
-        if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
-            raise TypeError(
-                f"prepare_custom_config['non_traceable_module_class']: got {describe(cls)}; "
-                "expected torch.nn.Module subclasses"
-            )
-    return CustomConfig(names, classes, extra)
 
 
 class QuantizationTracer(Tracer):
@@ -105,7 +61,7 @@ def trace(model: torch.nn.Module, custom_config: CustomConfig) -> GraphModule:
         raise TypeError(f"model: got {describe(model)}; expected a torch.nn.Module")
     model = copy.deepcopy(model)
     tracer = QuantizationTracer(
-        custom_config.non_traceable_module_names, custom_config.non_traceable_module_classes
+        custom_config.non_traceable_module_names, custom_config.leaf_classes
     )
     try:
         graph = tracer.trace(model)

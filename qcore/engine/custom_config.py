@@ -1,0 +1,183 @@
+"""torch.ao's custom configs, read into one frozen description.
+
+``prepare_custom_config``, ``convert_custom_config`` and ``fuse_custom_config``
+come as torch.ao's ``PrepareCustomConfig``/``ConvertCustomConfig``/
+``FuseCustomConfig`` objects or as their legacy dict forms. Every setting is
+read: the ones the engine honours are kept, the others raise an error naming
+the setting, so nothing a porting user wrote is silently dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from qcore.config.errors import describe
+
+__all__ = ["CustomConfig", "UnsupportedSetting", "as_custom_config", "copy_preserved"]
+
+
+class UnsupportedSetting(ValueError):
+    """A custom-config setting qcore does not honour (it is refused, never dropped)."""
+
+
+@dataclass(frozen=True)
+class CustomConfig:
+    """The custom-config settings the engine honours (torch.ao's meanings).
+
+    ``float_to_observed``/``observed_to_quantized``: custom module classes, swapped
+    at prepare (``Observed.from_float``) and at convert (``Quantized.from_observed``).
+    ``input_quantized_indexes``/``output_quantized_indexes``: graph inputs that
+    arrive, and outputs that leave, as torch quantized tensors.
+    """
+
+    non_traceable_module_names: tuple[str, ...] = ()
+    non_traceable_module_classes: tuple[type, ...] = ()
+    preserved_attributes: tuple[str, ...] = ()
+    float_to_observed: dict[type, type] = field(default_factory=dict)
+    observed_to_quantized: dict[type, type] = field(default_factory=dict)
+    input_quantized_indexes: tuple[int, ...] = ()
+    output_quantized_indexes: tuple[int, ...] = ()
+
+    @property
+    def leaf_classes(self) -> tuple[type, ...]:
+        """Classes traced as leaves: the non-traceable ones and the custom modules."""
+        return self.non_traceable_module_classes + tuple(self.float_to_observed)
+
+
+# torch.ao's legacy dict keys -> the PrepareCustomConfig attribute they fill.
+_PREPARE_DICT_KEYS = {
+    "standalone_module_name": "standalone_module_names",
+    "standalone_module_class": "standalone_module_classes",
+    "float_to_observed_custom_module_class": "float_to_observed_mapping",
+    "non_traceable_module_name": "non_traceable_module_names",
+    "non_traceable_module_class": "non_traceable_module_classes",
+    "input_quantized_idxs": "input_quantized_indexes",
+    "output_quantized_idxs": "output_quantized_indexes",
+    "preserved_attributes": "preserved_attributes",
+}
+_CONVERT_DICT_KEYS = {
+    "observed_to_quantized_custom_module_class": "observed_to_quantized_mapping",
+    "preserved_attributes": "preserved_attributes",
+}
+_ATTRIBUTES = set(_PREPARE_DICT_KEYS.values()) | set(_CONVERT_DICT_KEYS.values())
+
+
+def _from_dict(config: dict, where: str) -> dict[str, Any]:
+    keys = {**_PREPARE_DICT_KEYS, **_CONVERT_DICT_KEYS}
+    settings = {}
+    for key, value in config.items():
+        if key not in keys:
+            raise UnsupportedSetting(
+                f"{where}[{key!r}]: unknown setting; expected one of {sorted(keys)}"
+            )
+        settings[keys[key]] = value
+    return settings
+
+
+def _from_object(config: Any) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in _ATTRIBUTES if hasattr(config, name)}
+
+
+def _static_mapping(value: Any, where: str) -> dict[type, type]:
+    """torch.ao keys custom module classes by quant type: only "static" is honoured."""
+    if not value:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError(f"{where}: got {describe(value)}; expected a dict")
+    mapping: dict[type, type] = {}
+    for quant_type, classes in value.items():
+        name = getattr(quant_type, "name", quant_type)
+        if str(name).lower() != "static" and classes:
+            raise UnsupportedSetting(
+                f"{where}: custom module classes for quant type {name!r} are not supported; "
+                "only static quantization swaps custom modules"
+            )
+        for source, target in dict(classes).items():
+            for cls in (source, target):
+                if not isinstance(cls, type):
+                    raise TypeError(f"{where}: got {describe(cls)}; expected a class")
+            mapping[source] = target
+    return mapping
+
+
+def _indexes(value: Any, where: str) -> tuple[int, ...]:
+    found = tuple(value or ())
+    for index in found:
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise TypeError(f"{where}: got {describe(index)}; expected non-negative int indexes")
+    return found
+
+
+def _names(value: Any, where: str) -> tuple[str, ...]:
+    found = tuple(value or ())
+    for name in found:
+        if not isinstance(name, str):
+            raise TypeError(f"{where}: got {describe(name)}; expected names (str)")
+    return found
+
+
+def as_custom_config(config: Any, where: str = "prepare_custom_config") -> CustomConfig:
+    """Accept None, a torch.ao custom config object, its legacy dict, or a CustomConfig."""
+    if config is None:
+        return CustomConfig()
+    if isinstance(config, CustomConfig):
+        return config
+    if isinstance(config, dict):
+        settings = _from_dict(config, where)
+    elif any(hasattr(config, name) for name in _ATTRIBUTES):
+        settings = _from_object(config)
+    else:
+        raise TypeError(
+            f"{where}: got {describe(config)}; expected None, a torch.ao PrepareCustomConfig/"
+            "ConvertCustomConfig/FuseCustomConfig or its dict form"
+        )
+    for key in ("standalone_module_names", "standalone_module_classes"):
+        if settings.get(key):
+            raise UnsupportedSetting(
+                f"{where}.{key}: got {describe(settings[key])}; standalone modules are not "
+                "supported: quantize the submodule with its own prepare_fx/convert_fx call and "
+                "mark it non_traceable_module_names in the parent"
+            )
+    classes = tuple(settings.get("non_traceable_module_classes") or ())
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+            raise TypeError(
+                f"{where}.non_traceable_module_classes: got {describe(cls)}; expected "
+                "torch.nn.Module subclasses"
+            )
+    return CustomConfig(
+        non_traceable_module_names=_names(
+            settings.get("non_traceable_module_names"), f"{where}.non_traceable_module_names"
+        ),
+        non_traceable_module_classes=classes,
+        preserved_attributes=_names(
+            settings.get("preserved_attributes"), f"{where}.preserved_attributes"
+        ),
+        float_to_observed=_static_mapping(
+            settings.get("float_to_observed_mapping"), f"{where}.float_to_observed_mapping"
+        ),
+        observed_to_quantized=_static_mapping(
+            settings.get("observed_to_quantized_mapping"),
+            f"{where}.observed_to_quantized_mapping",
+        ),
+        input_quantized_indexes=_indexes(
+            settings.get("input_quantized_indexes"), f"{where}.input_quantized_indexes"
+        ),
+        output_quantized_indexes=_indexes(
+            settings.get("output_quantized_indexes"), f"{where}.output_quantized_indexes"
+        ),
+    )
+
+
+def copy_preserved(source: torch.nn.Module, target: torch.nn.Module, names: Iterable[str]) -> None:
+    """Copy the attributes a custom config names from ``source`` onto ``target``."""
+    for name in names:
+        if not hasattr(source, name):
+            raise AttributeError(
+                f"preserved_attributes: the model has no attribute {name!r} to preserve"
+            )
+        setattr(target, name, getattr(source, name))

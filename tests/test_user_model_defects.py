@@ -1,0 +1,289 @@
+"""Regression tests for the defects issue 13 found on models users bring.
+
+Each model is quantized by qcore and by torch.ao FX with torch.ao's own default
+QConfigMapping; qcore must run where torch.ao runs and its SQNR against float
+must be at least torch.ao's - 0.5 dB (``assert_not_worse_than_torch_ao``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.ao.quantization import (
+    QConfigMapping,
+    default_dynamic_qconfig,
+    get_default_qat_qconfig_mapping,
+    get_default_qconfig_mapping,
+)
+from torch.ao.quantization.quantize_fx import convert_fx as ao_convert_fx
+from torch.ao.quantization.quantize_fx import prepare_fx as ao_prepare_fx
+from torch.ao.quantization.quantize_fx import prepare_qat_fx as ao_prepare_qat_fx
+
+import qcore
+from tests.backends import requires_fbgemm
+
+pytestmark = requires_fbgemm
+
+TOLERANCE_DB = 0.5
+
+
+def sqnr(reference: torch.Tensor, other: torch.Tensor) -> float:
+    noise = (reference - other).pow(2).sum().item()
+    return math.inf if noise == 0 else 10 * math.log10(reference.pow(2).sum().item() / noise)
+
+
+def _batches(shape: tuple[int, ...], count: int = 4) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(*shape, generator=generator) for _ in range(count)]
+
+
+def _quantize(prepare, convert, model, mapping, data, **kwargs) -> torch.nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = prepare(copy.deepcopy(model), mapping, (data[0].clone(),), **kwargs)
+        if model.training:
+            prepared.eval()
+        with torch.no_grad():
+            for batch in data:
+                prepared(batch.clone())
+        return convert(prepared)
+
+
+def qcore_and_torch_ao(model, data, *, qat=False, mapping=None):
+    """(float, qcore, torch.ao) outputs on data[0]; both sides get the same mapping."""
+    if mapping is None:
+        mapping = (get_default_qat_qconfig_mapping if qat else get_default_qconfig_mapping)(
+            "fbgemm"
+        )
+    ours = _quantize(
+        qcore.prepare_qat_fx if qat else qcore.prepare_fx,
+        qcore.convert_fx,
+        model,
+        mapping,
+        data,
+        backend="fbgemm",
+    )
+    theirs = _quantize(
+        ao_prepare_qat_fx if qat else ao_prepare_fx, ao_convert_fx, model, mapping, data
+    )
+    model.eval()
+    with torch.no_grad():
+        return model(data[0]), ours(data[0]), theirs(data[0]), ours
+
+
+def assert_not_worse_than_torch_ao(model, data, **kwargs) -> torch.nn.Module:
+    expected, ours, theirs, converted = qcore_and_torch_ao(model, data, **kwargs)
+    ours_db, theirs_db = sqnr(expected, ours), sqnr(expected, theirs)
+    assert ours_db >= theirs_db - TOLERANCE_DB, f"qcore {ours_db:.1f} dB, torch.ao {theirs_db:.1f}"
+    return converted
+
+
+def _statuses(model) -> dict[str, tuple[str, str]]:
+    return {e.node: (e.status.value, e.reason, e.kernel) for e in qcore.explain(model).entries}
+
+
+# 1. fixed-qparams ops after a weighted op keep the weighted op's output observer
+class ConvThen(nn.Module):
+    def __init__(self, activation: nn.Module) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.activation = activation
+
+    def forward(self, x):
+        return self.activation(self.conv(x))
+
+
+@pytest.mark.parametrize(
+    "activation",
+    [nn.Hardsigmoid(), nn.Sigmoid(), nn.Tanh(), nn.Softmax(dim=1)],
+    ids=lambda m: type(m).__name__,
+)
+def test_fixed_qparams_op_after_conv_is_as_accurate_as_torch_ao(activation):
+    converted = assert_not_worse_than_torch_ao(ConvThen(activation).eval(), _batches((2, 3, 8, 8)))
+    statuses = _statuses(converted)
+    assert statuses["conv"][0] == "quantized"
+
+
+def test_fixed_qparams_op_after_linear_keeps_its_pre_activations():
+    model = nn.Sequential(nn.Linear(16, 16), nn.Hardsigmoid()).eval()
+    data = [batch * 4 for batch in _batches((8, 16))]  # pre-activations far outside [0, 1)
+    expected, ours, _, _ = qcore_and_torch_ao(model, data)
+    assert sqnr(expected, ours) > 25
+
+
+# 2. x * sigmoid(g): the mul reads sigmoid's fixed qparams, so sigmoid stays on its kernel
+class Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.value = nn.Conv2d(4, 4, 1)
+        self.gate = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        return self.value(x) * torch.sigmoid(self.gate(x))
+
+
+def test_sigmoid_gate_runs_on_kernels():
+    converted = assert_not_worse_than_torch_ao(Gate().eval(), _batches((2, 4, 6, 6)))
+    statuses = _statuses(converted)
+    assert statuses["sigmoid"][0] == "quantized", statuses["sigmoid"]
+    assert statuses["mul"][0] == "quantized", statuses["mul"]
+
+
+# 3. conv -> bn -> F.relu in eval mode fuses
+class ConvBnFunctionalRelu(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return F.relu(self.bn(self.conv(x)))
+
+
+def test_conv_bn_functional_relu_fuses_in_eval_mode():
+    model = ConvBnFunctionalRelu().eval()
+    model.bn.running_mean.uniform_(-1, 1)
+    converted = assert_not_worse_than_torch_ao(model, _batches((2, 3, 8, 8)))
+    assert _statuses(converted)["conv"][2].endswith("conv2d_relu")
+
+
+# 6. a module called twice
+class CalledTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.linear(x) + self.linear(x.flip(0))
+
+
+def test_module_called_twice_runs_after_convert():
+    assert_not_worse_than_torch_ao(CalledTwice().eval(), _batches((4, 8)))
+
+
+# 8. prepare never changes the caller's example inputs
+class InPlace(nn.Module):
+    def forward(self, x):
+        x.mul_(2)
+        return torch.relu(x)
+
+
+def test_prepare_leaves_the_example_inputs_alone():
+    example = torch.randn(3, 4)
+    kept = example.clone()
+    qcore.prepare_fx(InPlace().eval(), get_default_qconfig_mapping("fbgemm"), (example,))
+    assert torch.equal(example, kept)
+
+
+# 9. one nn.ReLU used twice after scalar adds
+class ReluTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        x = self.conv(x)
+        return self.relu(x + 3) + self.relu(3 + x)
+
+
+def test_relu_module_used_twice_after_scalar_adds():
+    assert_not_worse_than_torch_ao(ReluTwice().eval(), _batches((2, 3, 5, 5)))
+
+
+# 10. shapes built as lists are never observed
+class ViewFromList(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        gate = y.mean((2, 3))
+        gate = gate.view([-1, gate.size(1)] + [1] * (x.ndim - 2))
+        return y * gate
+
+
+def test_list_arithmetic_gets_no_observer():
+    converted = assert_not_worse_than_torch_ao(ViewFromList().eval(), _batches((2, 4, 5, 5)))
+    statuses = _statuses(converted)
+    assert statuses["add"][0] == "-", statuses["add"]  # not an op
+
+
+# 11. bool masks are never quantized
+class Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y.masked_fill(y < -0.5, 0.0)
+
+
+class MultipliedByMask(Masked):
+    def forward(self, x):
+        y = self.conv(x)
+        return y * (y > 0)
+
+
+def test_bool_masks_are_not_quantized():
+    assert_not_worse_than_torch_ao(Masked().eval(), _batches((2, 4, 5, 5)))
+
+
+def test_a_mask_used_as_a_factor_is_not_observed():
+    """torch.ao's histogram observer fails on the bool mask; qcore leaves it alone."""
+    model, data = MultipliedByMask().eval(), _batches((2, 4, 5, 5))
+    ours = _quantize(qcore.prepare_fx, qcore.convert_fx, model, None, data, backend="fbgemm")
+    reference = _quantize(
+        qcore.prepare_fx, qcore.convert_to_reference_fx, model, None, data, backend="fbgemm"
+    )
+    with torch.no_grad():
+        assert sqnr(model(data[0]), ours(data[0])) == pytest.approx(
+            sqnr(model(data[0]), reference(data[0])), abs=1.0
+        )
+    assert _statuses(ours)["gt"][0] == "-"  # not an op
+
+
+# 12. QAT without batch norm
+@pytest.mark.parametrize(
+    "model, shape",
+    [
+        (nn.Sequential(nn.Linear(8, 8), nn.ReLU()), (4, 8)),
+        (nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()), (2, 3, 8, 8)),
+    ],
+    ids=["linear_relu", "conv_relu"],
+)
+def test_qat_without_batch_norm(model, shape):
+    converted = assert_not_worse_than_torch_ao(model.train(), _batches(shape), qat=True)
+    assert _statuses(converted)["_0"][2].endswith("_relu")
+
+
+# 7. dynamic F.linear converted without a calibration run
+class FunctionalLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 32))
+        self.bias = nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+def test_dynamic_functional_linear_without_calibration():
+    model = FunctionalLinear().eval()
+    mapping = QConfigMapping().set_global(default_dynamic_qconfig)
+    x = torch.randn(4, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = qcore.convert_fx(qcore.prepare_fx(model, mapping, (x,), backend="fbgemm"))
+        theirs = ao_convert_fx(ao_prepare_fx(copy.deepcopy(model), mapping, (x,)))
+    with torch.no_grad():
+        expected = model(x)
+        assert sqnr(expected, ours(x)) >= sqnr(expected, theirs(x)) - TOLERANCE_DB
