@@ -11,7 +11,6 @@ from torch import nn
 from zoo.baseline import sqnr
 
 import qcore
-from qcore import ops
 from qcore.config.errors import ConfigError
 from qcore.engine.observe import SharingError
 from qcore.observers import MinMaxObserver
@@ -274,7 +273,8 @@ def test_reference_form_runs_under_torch_compile():
     prepared = qcore.prepare_pt2e(exported(model), OwnQuantizer())
     prepared(X)
     converted = qcore.convert_pt2e(prepared, lower=False)
-    assert any(n.target is ops.quantize_per_tensor for n in converted.graph.nodes)
+    quantize = torch.ops.quantized_decomposed.quantize_per_tensor.default
+    assert any(n.target is quantize for n in converted.graph.nodes)
     compiled = torch.compile(converted, backend="eager")
     torch.testing.assert_close(compiled(X), converted(X))
 

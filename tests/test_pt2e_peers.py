@@ -21,7 +21,6 @@ from zoo import EVAL_SEED, ZOO
 from zoo.baseline import sqnr
 
 import qcore
-from qcore import ops
 from qcore.config.qconfig import QConfig
 from qcore.kernels.runtime import int8_products_saturate
 from qcore.observers import HistogramObserver, PerChannelMinMaxObserver
@@ -200,7 +199,8 @@ def test_lowering_keeps_the_reference_accuracy(compiled_config_peers, request):
 
 def test_converted_graph_runs_under_torch_compile(peers):
     name, _, _, batch, ours_reference, ours, _ = peers
-    assert any(n.target is ops.quantize_per_tensor for n in ours_reference.graph.nodes)
+    quantize = torch.ops.quantized_decomposed.quantize_per_tensor.default
+    assert any(n.target is quantize for n in ours_reference.graph.nodes)
     for converted in (ours_reference, ours):
         compiled = torch.compile(converted, backend="eager")
         with torch.no_grad():

@@ -10,7 +10,6 @@ from zoo import EVAL_SEED, ZOO
 from zoo.baseline import sqnr
 
 import qcore
-from qcore import ops
 from qcore.kernels.runtime import int8_products_saturate
 from qcore.observers import HistogramObserver, MinMaxObserver, PerChannelMinMaxObserver
 from qcore.pt2e import BackendQuantizer
@@ -25,6 +24,7 @@ from qcore.quantizer import (
 )
 
 aten = torch.ops.aten
+QD = torch.ops.quantized_decomposed  # the reference form's ops
 
 ACT = QuantizationSpec(
     dtype=torch.uint8,
@@ -79,7 +79,7 @@ def observer_of(gm, node):
 
 
 def quantize_nodes(gm):
-    return [n for n in gm.graph.nodes if n.target is ops.quantize_per_tensor]
+    return [n for n in gm.graph.nodes if n.target is QD.quantize_per_tensor.default]
 
 
 class Add(nn.Module):
@@ -107,7 +107,7 @@ def test_add_with_both_inputs_sharing_qparams():
     converted = qcore.convert_pt2e(prepared, lower=False)
     (add,) = nodes_of(converted, aten.add)
     dq_left, dq_right = add.args
-    assert dq_left.target is dq_right.target is ops.dequantize_per_tensor
+    assert dq_left.target is dq_right.target is QD.dequantize_per_tensor.default
     assert dq_left.args[1:] == dq_right.args[1:]  # same scale, zero point, range
     # The shared range covers b (10x wider than a).
     assert dq_left.args[1] == pytest.approx(float(b.max() - torch.min(a.min(), b.min())) / 255, 0.1)
@@ -173,7 +173,7 @@ def test_sigmoid_fixed_qparams():
     converted = qcore.convert_pt2e(prepared, lower=False)
     (sigmoid,) = nodes_of(converted, aten.sigmoid)
     (quantize,) = sigmoid.users
-    assert quantize.target is ops.quantize_per_tensor
+    assert quantize.target is QD.quantize_per_tensor.default
     assert quantize.args[1:] == (1.0 / 256.0, 0, 0, 255, torch.uint8)
     input_scale = sigmoid.args[0].args[1]
     assert input_scale != pytest.approx(1.0 / 256.0)  # the input is observed, not fixed
@@ -228,7 +228,7 @@ def test_conv_bias_derived_from_activation_and_weight_scales():
     act_scale = dq_x.args[1]
     weight_scale = converted.get_buffer(dq_weight.args[1].target)
     bias_scale = converted.get_buffer(dq_bias.args[1].target)
-    assert dq_bias.target is ops.dequantize_per_channel
+    assert dq_bias.target is QD.dequantize_per_channel.default
     assert dq_bias.args[0].op == "get_attr"
     assert converted.get_buffer(dq_bias.args[0].target).dtype == torch.int32
     torch.testing.assert_close(bias_scale, act_scale * weight_scale)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.fx.node import map_arg
 
 from qcore.quantizer.spec import (
     DerivedQuantizationSpec,
@@ -109,6 +110,21 @@ def _make_observer(spec: QuantizationSpecBase, make_fixed: Callable) -> torch.nn
         return spec.observer_or_fake_quant_ctr()
 
 
+# What makes two specs describe the same quantization (torchao's implicit-sharing
+# test): these attributes, equal where both specs have them, absent from both otherwise.
+_SHARING_ATTRS = (
+    "dtype",
+    "is_dynamic",
+    "quant_min",
+    "quant_max",
+    "qscheme",
+    "ch_axis",
+    "scale",
+    "zero_point",
+)
+_ABSENT = object()
+
+
 def _comparable(spec: QuantizationSpecBase) -> tuple:
     return (
         getattr(spec, "dtype", None),
@@ -118,15 +134,95 @@ def _comparable(spec: QuantizationSpecBase) -> tuple:
     )
 
 
-def _resolve_shared(spec: Any, specs: dict) -> Any:
-    """The spec a SharedQuantizationSpec chain ends at (None for a cycle)."""
-    seen = set()
-    while isinstance(spec, SharedQuantizationSpec):
-        if id(spec) in seen:
-            return None
-        seen.add(id(spec))
-        spec = specs.get(spec.edge_or_node)
-    return spec
+def _same_quantization(a: Any, b: Any) -> bool:
+    """Whether tensors annotated with ``a`` and ``b`` can share one observer.
+
+    A spec that leaves its range to the observer (quant_min unset, as the specs
+    compiled from a QConfig do) is the same only with the same constructor:
+    ``reduce_range`` lives there.
+    """
+    if a is None or b is None:
+        return False
+    for attr in _SHARING_ATTRS:
+        if getattr(a, attr, _ABSENT) != getattr(b, attr, _ABSENT):
+            return False
+    if isinstance(a, QuantizationSpec) and a.quant_min is None:
+        return isinstance(b, QuantizationSpec) and (
+            a.observer_or_fake_quant_ctr == b.observer_or_fake_quant_ctr
+        )
+    return True
+
+
+class _Sharing:
+    """Union-find over observation points, as torchao's prepare builds it.
+
+    Union is directional (the child's root points at the parent's root) except
+    where the parent's root already shares with the child's root: pointing back
+    would close a cycle, so the edge is reversed.
+    """
+
+    def __init__(self, specs: dict[Point, QuantizationSpecBase]) -> None:
+        self.specs = specs
+        self.parent: dict[Point, Point] = {point: point for point in specs}
+
+    def find(self, point: Point) -> Point:
+        root = point
+        while self.parent[root] != root:
+            root = self.parent[root]
+        while self.parent[point] != root:  # path compression
+            self.parent[point], point = root, self.parent[point]
+        return root
+
+    def union(self, parent: Point, child: Point) -> None:
+        root_parent, root_child = self.find(parent), self.find(child)
+        if root_parent == root_child:
+            return
+        spec = self.specs[root_parent]
+        if isinstance(spec, SharedQuantizationSpec) and spec.edge_or_node == root_child:
+            self.parent[root_parent] = root_child
+        else:
+            self.parent[root_child] = root_parent
+
+    def resolve(self, spec: Any) -> Any:
+        """The spec a SharedQuantizationSpec chain ends at (None for a cycle)."""
+        seen: set[Point] = set()
+        while isinstance(spec, SharedQuantizationSpec):
+            root = self.find(spec.edge_or_node)
+            if root in seen:
+                return None
+            seen.add(root)
+            spec = self.specs[root]
+        return spec
+
+
+def _group(
+    specs: dict[Point, QuantizationSpecBase], annotations: dict[Node, QuantizationAnnotation]
+) -> dict[Point, list[Point]]:
+    """Sharing groups (root -> members, in annotation order).
+
+    Explicit sharing (SharedQuantizationSpec) unites a point with its target.
+    Implicit sharing unites an input edge with the producer's other annotated
+    edges and with the producer's output when their specs resolve to the same
+    quantization (they carry one tensor), unless the consumer's annotation sets
+    ``allow_implicit_sharing=False``. Edges are united with other users first,
+    then with the producer: the other order can close a cycle.
+    """
+    sharing = _Sharing(specs)
+    for point, spec in specs.items():
+        if isinstance(point, tuple):
+            producer, consumer = point
+            if annotations[consumer].allow_implicit_sharing:
+                mine = sharing.resolve(spec)
+                others = [(producer, user) for user in producer.users if user is not consumer]
+                for other in [*others, producer]:
+                    if other in specs and _same_quantization(sharing.resolve(specs[other]), mine):
+                        sharing.union(other, point)
+        if isinstance(spec, SharedQuantizationSpec):
+            sharing.union(spec.edge_or_node, point)
+    members: dict[Point, list[Point]] = {}
+    for point in specs:
+        members.setdefault(sharing.find(point), []).append(point)
+    return members
 
 
 def insert_observers(
@@ -134,8 +230,23 @@ def insert_observers(
     annotations: dict[Node, QuantizationAnnotation],
     make_fixed: Callable[[FixedQParamsQuantizationSpec], torch.nn.Module],
     order: Iterable[Node] | None = None,
+    *,
+    make_observer: Callable[[QuantizationSpecBase], torch.nn.Module] | None = None,
+    observe_edge: Callable[[Node, Node], bool] | None = None,
+    observe_output: Callable[[Node], bool] | None = None,
+    before_rewire: Callable[[ObserverPlan], None] | None = None,
 ) -> ObserverPlan:
-    """Insert one observer per sharing group; returns which observer serves which point."""
+    """Insert one observer per sharing group; returns which observer serves which point.
+
+    ``make_observer`` builds a group's observer from its spec (default: the
+    spec's constructor with the spec's settings; ``make_fixed`` for fixed
+    qparams). ``observe_edge(producer, consumer)`` and ``observe_output(node)``
+    may leave a point's observer out of the graph (it still decides sharing):
+    the PT2E path leaves out the destination of an in-place op on a buffer, and
+    outputs that are not tensors. ``before_rewire(plan)`` runs once the observers
+    are attributes of ``gm`` and before the graph calls them (a quantizer's
+    callback may replace them there, as torchao's prepare lets it).
+    """
     specs: dict[Point, QuantizationSpecBase] = {}
     graph_nodes = set(gm.graph.nodes)
     for node, annotation in annotations.items():
@@ -149,43 +260,16 @@ def insert_observers(
         if annotation.output_qspec is not None:
             specs[node] = annotation.output_qspec
 
-    groups = _UnionFind()
     for point, spec in specs.items():
-        groups.find(point)
-        if isinstance(spec, SharedQuantizationSpec):
-            target = spec.edge_or_node
-            if target not in specs:
-                raise ValueError(
-                    f"SharedQuantizationSpec on the {_describe_point(point)} refers to the "
-                    f"{_describe_point(target)}, which has no annotation"
-                )
-            groups.union(target, point)
-    by_producer: dict[tuple[Node, tuple], Point] = {}
-    for point, spec in specs.items():
-        # An edge sharing with another point compares by that point's spec
-        # (seed 004's cat: the second input, shared with the first, also shares
-        # with its own producer, so both producers end up in one group).
-        spec = _resolve_shared(spec, specs)
-        if not isinstance(point, tuple) or not isinstance(spec, QuantizationSpec):
-            continue
-        producer = point[0]
-        allow = annotations[point[1]].allow_implicit_sharing
-        if allow and _resolve_shared(specs.get(producer), specs) == spec:
-            groups.union(producer, point)
-        elif allow:
-            key = (producer, _comparable(spec) + (spec.observer_or_fake_quant_ctr,))
-            if key in by_producer:
-                groups.union(by_producer[key], point)
-            else:
-                by_producer[key] = point
-
-    members: dict[Any, list[Point]] = {}
-    for point in specs:
-        members.setdefault(groups.find(point), []).append(point)
+        if isinstance(spec, SharedQuantizationSpec) and spec.edge_or_node not in specs:
+            raise ValueError(
+                f"SharedQuantizationSpec on the {_describe_point(point)} refers to the "
+                f"{_describe_point(spec.edge_or_node)}, which has no annotation"
+            )
+    members = _group(specs, annotations)
 
     plan = ObserverPlan()
     derived: list[tuple[str, DerivedQuantizationSpec]] = []
-    position = {node: index for index, node in enumerate(order or gm.graph.nodes)}
     for index, group in enumerate(members.values()):
         owners = [p for p in group if not isinstance(specs[p], SharedQuantizationSpec)]
         if not owners:
@@ -207,6 +291,8 @@ def insert_observers(
         if isinstance(spec, DerivedQuantizationSpec):
             derived.append((name, spec))
             observer: torch.nn.Module = torch.nn.Identity()  # replaced below
+        elif make_observer is not None:
+            observer = make_observer(spec)
         else:
             observer = _make_observer(spec, make_fixed)
         setattr(gm, name, observer)
@@ -225,38 +311,67 @@ def insert_observers(
             sources.append(plan.observer_of_point[source])
         setattr(gm, name, DerivedObserver(spec, sources))
 
-    _rewire(gm, plan, position)
+    if before_rewire is not None:
+        before_rewire(plan)
+    _rewire(gm, plan, observe_edge, observe_output)
     gm.recompile()
     return plan
 
 
-def _rewire(gm: GraphModule, plan: ObserverPlan, position: dict[Node, int]) -> None:
-    """Put each observer in the graph: after its producer, feeding the right users."""
+def _rewire(
+    gm: GraphModule,
+    plan: ObserverPlan,
+    observe_edge: Callable[[Node, Node], bool] | None,
+    observe_output: Callable[[Node], bool] | None,
+) -> None:
+    """Put the observers in the graph, node by node in graph order (as torchao does).
+
+    A node's output observer feeds every user. An input edge whose group differs
+    from its producer's output observer gets its own call, chained after that
+    observer (the consumer sees the value quantized twice, as in torchao and
+    torch.ao); users sharing an edge observer share one call.
+    """
     graph = gm.graph
-    inserted: dict[tuple[str, Node], Node] = {}
+    names = set(plan.points_of_observer)
 
-    def observed(name: str, producer: Node) -> Node:
-        key = (name, producer)
-        if key not in inserted:
-            with graph.inserting_after(producer):
-                inserted[key] = graph.call_module(name, (producer,))
-        return inserted[key]
+    def is_observer(node: Any) -> bool:
+        return isinstance(node, Node) and node.op == "call_module" and node.target in names
 
-    edge_users: dict[Node, set[Node]] = {}  # producer -> users with an edge observer
-    for point in plan.observer_of_point:
-        if isinstance(point, tuple):
-            edge_users.setdefault(point[0], set()).add(point[1])
-    # Node outputs first: their observer replaces the producer for every user
-    # that has no edge observer of its own.
-    for point, name in plan.observer_of_point.items():
-        if isinstance(point, Node):
-            obs_node = observed(name, point)
-            for user in list(point.users):
-                if user is not obs_node and user not in edge_users.get(point, ()):
-                    user.replace_input_with(point, obs_node)
+    def call(name: str, after: Node) -> Node:
+        with graph.inserting_after(after):
+            observer = graph.call_module(name, (after,))
+        if "val" in after.meta:  # graph passes (and torchao's tests) expect meta everywhere
+            observer.meta["val"] = after.meta["val"]
+        return observer
+
+    edges: dict[Node, dict[Node, str]] = {}
     for point, name in plan.observer_of_point.items():
         if isinstance(point, tuple):
-            producer, user = point
-            obs_node = observed(name, producer)
-            if obs_node is not user:
-                user.replace_input_with(producer, obs_node)
+            edges.setdefault(point[1], {})[point[0]] = name
+
+    for node in list(graph.nodes):
+        own = edges.get(node)
+        if own:
+
+            def observed(arg: Node, node: Node = node, own: dict = own) -> Node:
+                producer = arg
+                while is_observer(producer):
+                    producer = producer.args[0]
+                name = own.get(producer)
+                if name is None or (observe_edge is not None and not observe_edge(producer, node)):
+                    return arg
+                if plan.observer_of_point.get(producer) == name:
+                    return arg  # the producer's output observer is this edge's too
+                for user in arg.users:
+                    if is_observer(user) and user.target == name:
+                        return user
+                return call(name, arg)
+
+            node.args = map_arg(node.args, observed)
+            node.kwargs = map_arg(node.kwargs, observed)
+        name = plan.observer_of_point.get(node)
+        if name is not None and (observe_output is None or observe_output(node)):
+            observer = call(name, node)
+            for user in list(node.users):
+                if user is not observer:
+                    user.replace_input_with(node, observer)

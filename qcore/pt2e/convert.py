@@ -22,8 +22,15 @@ from qcore.engine.explain import Entry, Report, Status, attach_report, report_of
 from qcore.engine.lower import lower as lower_to_kernels
 from qcore.engine.observe import DerivedObserver
 from qcore.engine.reference import QParams, qparams_of
+from qcore.pt2e.graph import refuse_train_eval
 from qcore.pt2e.patterns import packet
-from qcore.pt2e.prepare import PT2E_STATE_KEY, Pt2eState, quiet_deepcopy
+from qcore.pt2e.prepare import (
+    PT2E_STATE_KEY,
+    Pt2eState,
+    control_flow_subgraphs,
+    quiet_deepcopy,
+)
+from qcore.pt2e.qdq import fold_quantized_constants, replace_observer
 from qcore.pt2e.reference import to_reference_modules
 
 __all__ = ["convert_pt2e"]
@@ -113,8 +120,52 @@ def _to_eval(gm: GraphModule) -> None:
             node.args = (*node.args[:2], False, *node.args[3:])
 
 
-def convert_reference(prepared: GraphModule) -> GraphModule:
-    """A converted copy in reference form (decomposed quantize/dequantize)."""
+def _switch_to_eval(gm: GraphModule) -> None:
+    """Observers and fake-quants to eval, without the model's own ``eval`` (an
+    exported model's may refuse to run); exported batch norms and dropouts too."""
+    for module in gm.modules():
+        module.training = False
+    _to_eval(gm)
+
+
+def _convert_graph(gm: GraphModule, state: Pt2eState, *, decomposed: bool, fold: bool) -> None:
+    """Replace ``gm``'s observers (in place), then those of its control-flow subgraphs."""
+    modules = dict(gm.named_modules())
+    names = set(state.observer_names)
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module" or node.target not in names:
+            continue
+        observer = modules[node.target]
+        if decomposed:
+            replace_observer(gm, node, observer, state.full_range)
+        elif node.args[0].op == "get_attr" and _is_static(observer):
+            _fold_constant(gm, node, observer, state.full_range)
+        else:
+            _replace_observer(gm, node, observer, full_range=state.full_range)
+    if decomposed and fold:
+        fold_quantized_constants(gm)
+    for name in control_flow_subgraphs(gm):
+        sub = gm.get_submodule(name)
+        sub_state = sub.meta.get(PT2E_STATE_KEY) if isinstance(sub, GraphModule) else None
+        if sub_state is not None:
+            _convert_graph(sub, sub_state, decomposed=decomposed, fold=fold)
+            del sub.meta[PT2E_STATE_KEY]
+    gm.graph.eliminate_dead_code()
+    gm.delete_all_unused_submodules()
+    _delete_unused_constants(gm)
+    gm.recompile()
+
+
+def convert_reference(
+    prepared: GraphModule, *, decomposed: bool = True, fold_quantize: bool = True
+) -> GraphModule:
+    """A converted copy in reference form.
+
+    ``decomposed``: ``torch.ops.quantized_decomposed`` quantize/dequantize (the
+    ecosystem's reference form, :mod:`qcore.pt2e.qdq`); else ``qcore.ops``, the
+    form the lowering starts from. ``fold_quantize``: quantize constant inputs
+    (weights) now, keeping their integers.
+    """
     state = _state_of(prepared)
     # Derived observers keep their spec, which names graph nodes: share it
     # (it is frozen) rather than deep-copy nodes with their fake tensors.
@@ -125,22 +176,8 @@ def convert_reference(prepared: GraphModule) -> GraphModule:
     }
     memo[id(state)] = state  # its kernels are not copied only to be dropped below
     gm = quiet_deepcopy(prepared, memo)
-    gm.eval()
-    _to_eval(gm)
-    modules = dict(gm.named_modules())
-    names = set(state.observer_names)
-    for node in list(gm.graph.nodes):
-        if node.op != "call_module" or node.target not in names:
-            continue
-        observer = modules[node.target]
-        if node.args[0].op == "get_attr" and _is_static(observer):
-            _fold_constant(gm, node, observer, state.full_range)
-        else:
-            _replace_observer(gm, node, observer, full_range=state.full_range)
-    gm.graph.eliminate_dead_code()
-    gm.delete_all_unused_submodules()
-    _delete_unused_constants(gm)
-    gm.recompile()
+    _switch_to_eval(gm)
+    _convert_graph(gm, state, decomposed=decomposed, fold=fold_quantize)
     # A converted model is done with the kernels (engine functions, which do
     # not pickle): torch.save takes it whole.
     del gm.meta[PT2E_STATE_KEY]
@@ -153,7 +190,9 @@ def _delete_unused_constants(gm: GraphModule) -> None:
     weights folded into integers, the integers a kernel packed. Tensors of modules
     the graph calls are theirs to keep."""
     read = {node.target for node in gm.graph.nodes if node.op == "get_attr"}
+    # Modules the graph calls, and subgraphs it passes to control flow (scan): their own.
     called = {node.target for node in gm.graph.nodes if node.op == "call_module"}
+    called |= {name for name in read if isinstance(_get_or_none(gm, name), torch.nn.Module)}
     named = [
         *gm.named_parameters(remove_duplicate=False),
         *gm.named_buffers(remove_duplicate=False),
@@ -171,6 +210,13 @@ def _delete_unused_constants(gm: GraphModule) -> None:
             delattr(owner, attr)
 
 
+def _get_or_none(gm: GraphModule, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
 def _reference_report(prepared: Report | None, gm: GraphModule, state: Pt2eState) -> Report:
     by_name = {entry.node: entry for entry in (prepared.entries if prepared else [])}
     entries = []
@@ -182,25 +228,44 @@ def _reference_report(prepared: Report | None, gm: GraphModule, state: Pt2eState
     return Report(state.backend_name, entries)
 
 
-def convert_pt2e(model: GraphModule, lower: bool = True) -> GraphModule:
+def convert_pt2e(
+    model: GraphModule, lower: bool | None = None, *, fold_quantize: bool = True
+) -> GraphModule:
     """Convert a calibrated (or trained) prepared model; returns a new module.
 
-    The result holds decomposed quantize/dequantize ops on plain integer
-    tensors; with ``lower=True`` (the default) the backend's kernels then
-    replace the linear and conv patterns they support, the same kernels as
-    :func:`qcore.convert_fx` uses. ``qcore.explain`` tells what ran where.
+    ``lower=False`` gives the reference form: ``torch.ops.quantized_decomposed``
+    quantize/dequantize on plain integer tensors around the float ops, as
+    torchao's convert_pt2e produces (for torch.compile, torch.export, ExecuTorch).
+    ``lower=True`` lets the backend's kernels replace the patterns they support
+    (the kernels :func:`qcore.convert_fx` uses). The default lowers for a backend
+    name or a qcore Quantizer, and gives the reference form for a torchao
+    Quantizer (which names no backend). ``fold_quantize=False`` keeps the
+    weights' quantize ops in the reference form instead of their integers.
+    ``qcore.explain`` tells what ran where.
 
     Example::
 
         >>> converted = qcore.convert_pt2e(prepared)              # int8 kernels
         >>> reference = qcore.convert_pt2e(prepared, lower=False) # for torch.compile
     """
-    if not isinstance(lower, bool):
-        raise TypeError(f"lower: got {lower!r}; expected True or False")
-    gm = convert_reference(model)
-    if not lower:
-        return gm
+    if lower is not None and not isinstance(lower, bool):
+        raise TypeError(f"lower: got {lower!r}; expected True, False or None")
+    if not isinstance(fold_quantize, bool):
+        raise TypeError(f"fold_quantize: got {fold_quantize!r}; expected True or False")
     state = _state_of(model)
+    if lower and state.foreign:
+        raise ValueError(
+            f"lower=True: the model was prepared with a torchao Quantizer "
+            f"({state.backend_name}), which names no backend whose kernels could take it; "
+            "convert with lower=False, or prepare with a backend name or a qcore Quantizer"
+        )
+    if lower is None:
+        lower = not state.foreign
+    if not lower:
+        return refuse_train_eval(
+            convert_reference(model, decomposed=True, fold_quantize=fold_quantize)
+        )
+    gm = convert_reference(model, decomposed=False)
     report: Report = report_of(gm)
     references = to_reference_modules(gm, {e.node for e in report.reference})
     kept = [e for e in report.entries if e.node in {n.name for n in gm.graph.nodes}]
@@ -209,4 +274,4 @@ def convert_pt2e(model: GraphModule, lower: bool = True) -> GraphModule:
     attach_report(gm, Report(state.backend_name, kept))
     lowered = lower_to_kernels(gm, state.kernels, state.backend_name)
     _delete_unused_constants(lowered)
-    return lowered
+    return refuse_train_eval(lowered)

@@ -19,7 +19,13 @@ from qcore.quantizer.spec import (
     SharedQuantizationSpec,
 )
 
-__all__ = ["AnnotationError", "annotations_of", "as_exported_module", "is_tensor_node"]
+__all__ = [
+    "AnnotationError",
+    "annotations_of",
+    "as_exported_module",
+    "is_tensor_node",
+    "refuse_train_eval",
+]
 
 
 class AnnotationError(ValueError):
@@ -34,16 +40,20 @@ def _is_export_guard(gm: GraphModule, node: Node) -> bool:
     return type(gm.get_submodule(node.target)).__name__ == "GuardsFn"
 
 
-def as_exported_module(model: Any) -> GraphModule:
+def as_exported_module(model: Any, *, require_export: bool = True) -> GraphModule:
     """The GraphModule of an ExportedProgram, or ``model`` if it is one already.
 
     Raises TypeError for anything else, naming the first node that shows the
-    graph was not produced by torch.export.
+    graph was not produced by torch.export. ``require_export=False`` takes any
+    GraphModule (a torchao Quantizer's annotations say everything itself, and
+    torchao's prepare takes such graphs).
     """
     if isinstance(model, torch.export.ExportedProgram):
         return model.module()
     if not isinstance(model, GraphModule):
         raise TypeError(f"model: got {describe(model)}; {_EXPORT_HINT}")
+    if not require_export:
+        return model
     for node in model.graph.nodes:
         if node.op == "call_module" and not _is_export_guard(model, node):
             raise TypeError(
@@ -57,6 +67,37 @@ def as_exported_module(model: Any) -> GraphModule:
                 f"torch.export records on every node; {_EXPORT_HINT}"
             )
     return model
+
+
+_TRAIN_EVAL_HINT = (
+    "is not supported on a model from torch.export: it would not switch the batch norms "
+    "and dropouts the graph runs (their mode is part of the graph). qcore.convert_pt2e "
+    "switches them to eval; torchao.quantization.pt2e.move_exported_model_to_eval "
+    "(or allow_exported_model_train_eval) switches them by hand"
+)
+
+
+def _refuse_train(self: Any, mode: bool = True) -> Any:
+    raise NotImplementedError(f"Calling train() {_TRAIN_EVAL_HINT}")
+
+
+def _refuse_eval(self: Any) -> Any:
+    raise NotImplementedError(f"Calling eval() {_TRAIN_EVAL_HINT}")
+
+
+def refuse_train_eval(gm: GraphModule) -> GraphModule:
+    """Make ``gm.train()``/``gm.eval()`` raise NotImplementedError, as on the module
+    torch.export returns (and torchao's prepared models).
+
+    Set on the graph module's own class (torch.fx makes one per instance), not as
+    instance attributes, so the model still pickles; after torch.load, or a deep
+    copy, the methods work again (as they do on a deep copy of export's module).
+    """
+    cls = type(gm)
+    if cls is not GraphModule:  # never patch the shared base class
+        cls.train = _refuse_train
+        cls.eval = _refuse_eval
+    return gm
 
 
 def is_tensor_node(node: Any) -> bool:
@@ -115,15 +156,24 @@ def _check_spec(where: str, spec: Any, nodes: set[Node], point: Any = None) -> N
             _check_point(f"{where}: DerivedQuantizationSpec.derived_from[{index}]", point, nodes)
 
 
-def annotations_of(gm: GraphModule) -> dict[Node, QuantizationAnnotation]:
-    """The annotations on ``gm``'s nodes, each checked against the graph."""
+def annotations_of(gm: GraphModule, *, foreign: bool = False) -> dict[Node, QuantizationAnnotation]:
+    """The annotations on ``gm``'s nodes, each checked against the graph.
+
+    ``foreign=True`` reads torchao's annotation classes too, translated into
+    qcore's (the node's meta keeps torchao's objects).
+    """
     nodes = set(gm.graph.nodes)
     found: dict[Node, QuantizationAnnotation] = {}
+    memo: dict[int, Any] = {}
     for node in gm.graph.nodes:
         annotation = node.meta.get(ANNOTATION_KEY)
         if annotation is None:
             continue
         where = f"annotation of node {node.name!r}"
+        if foreign and not isinstance(annotation, QuantizationAnnotation):
+            from qcore.pt2e.foreign import translate_annotation
+
+            annotation = translate_annotation(annotation, memo)
         if not isinstance(annotation, QuantizationAnnotation):
             raise AnnotationError(
                 f"{where}: got {describe(annotation)}; expected a qcore QuantizationAnnotation"

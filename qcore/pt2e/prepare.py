@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -20,8 +21,19 @@ from qcore.config.errors import describe
 from qcore.engine.explain import Entry, Report, Status, attach_report
 from qcore.engine.observe import ObserverPlan, insert_observers
 from qcore.pt2e.backend_quantizer import PATTERN_KEY, REASON_KEY, BackendQuantizer
-from qcore.pt2e.fold import fold_conv_bn
-from qcore.pt2e.graph import annotations_of, as_exported_module, is_tensor_node
+from qcore.pt2e.fold import fold_conv_bn, fold_linear_bn
+from qcore.pt2e.foreign import (
+    ForeignQuantizer,
+    check_no_tensor_kwargs,
+    is_foreign_quantizer,
+    observer_like_torchao,
+)
+from qcore.pt2e.graph import (
+    annotations_of,
+    as_exported_module,
+    is_tensor_node,
+    refuse_train_eval,
+)
 from qcore.pt2e.guard import replace_export_guard
 from qcore.pt2e.patterns import packet
 from qcore.quantizer.quantizer import Quantizer
@@ -41,10 +53,23 @@ class Pt2eState:
     observer_names: tuple[str, ...]
     full_range: bool = False
     """Quantize over the dtype's whole range (QConfig semantics), not the observer's."""
+    foreign: bool = False
+    """Prepared with a torchao Quantizer: converts to the reference form, as torchao does."""
 
 
 def quiet_deepcopy(gm: GraphModule, memo: dict | None = None) -> GraphModule:
-    """A deep copy; torch 2.13's pytree warns (FutureWarning) copying export's specs."""
+    """A deep copy; torch 2.13's pytree warns (FutureWarning) copying export's specs.
+
+    The nodes' ``meta["val"]`` fake tensors are shared, not copied: they describe
+    shapes and dtypes only, and passes (torchao's too) compare them by identity.
+    """
+    memo = {} if memo is None else memo
+    for module in gm.modules():
+        if isinstance(module, GraphModule):
+            for node in module.graph.nodes:
+                value = node.meta.get("val")
+                if isinstance(value, torch.Tensor):
+                    memo[id(value)] = value
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         return copy.deepcopy(gm, memo)
@@ -71,9 +96,11 @@ def resolve_quantizer(quantizer: Any, is_qat: bool) -> tuple[Quantizer, str, tup
             # a backend's own Quantizer (X86Quantizer) lowers to that backend's kernels
             kernels = _installed_kernels(quantizer.backend_name)
         return quantizer, name, kernels
+    if is_foreign_quantizer(quantizer):
+        return ForeignQuantizer(quantizer), type(quantizer).__name__, ()
     raise TypeError(
-        f"quantizer: got {describe(quantizer)}; expected a qcore.Quantizer or a backend "
-        "name such as 'x86'"
+        f"quantizer: got {describe(quantizer)}; expected a qcore.Quantizer, a torchao "
+        "Quantizer (an object with annotate/validate methods) or a backend name such as 'x86'"
     )
 
 
@@ -137,22 +164,104 @@ def _report(gm: GraphModule, backend: str, observer_names: set[str]) -> Report:
     return Report(backend, entries)
 
 
-def _prepare(model: Any, quantizer: Any, is_qat: bool) -> GraphModule:
-    gm = quiet_deepcopy(as_exported_module(model))
-    chosen, backend_name, kernels = resolve_quantizer(quantizer, is_qat)
+def control_flow_subgraphs(gm: GraphModule) -> list[str]:
+    """Attribute names of the subgraphs ``gm`` runs through control flow: scan's
+    combine_fn and while_loop's body_fn, quantized like the graph around them."""
+    names = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        index = _SUBGRAPH_ARG.get(node.target)
+        if index is None or len(node.args) <= index:
+            continue
+        sub = node.args[index]
+        if isinstance(sub, Node) and sub.op == "get_attr":
+            names.append(sub.target)
+    return names
+
+
+_SUBGRAPH_ARG = {
+    getattr(torch.ops.higher_order, name): index
+    for name, index in (("scan", 0), ("while_loop", 1))
+    if hasattr(torch.ops.higher_order, name)
+}
+
+
+def _writes_buffer(consumer: Node, producer: Node, buffers: set[str]) -> bool:
+    """Whether ``consumer`` writes in place into ``producer``, a view of a buffer only
+    (observing it would make the op write into the observer's output instead)."""
+    schema = getattr(consumer.target, "_schema", None) if consumer.op == "call_function" else None
+    if schema is None or not consumer.args or consumer.args[0] is not producer:
+        return False
+    alias = schema.arguments[0].alias_info if schema.arguments else None
+    if alias is None or not alias.is_write:
+        return False
+    seen, stack, found = set(), [producer], False
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder":
+            return False  # depends on an input: an ordinary tensor
+        found |= node.op == "get_attr" and node.target in buffers
+        stack.extend(node.all_input_nodes)
+    return found
+
+
+def _is_tensor_output(node: Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _prepare_graph(
+    gm: GraphModule, chosen: Quantizer, is_qat: bool
+) -> tuple[GraphModule, ObserverPlan]:
+    """Annotate ``gm`` (modified in place, or replaced by the quantizer's transform),
+    insert its observers, then prepare its control-flow subgraphs the same way."""
+    foreign = isinstance(chosen, ForeignQuantizer)
     if not is_qat:
         fold_conv_bn(gm)
+        fold_linear_bn(gm)
     gm = chosen.transform_for_annotation(gm)
     gm = chosen.annotate(gm)
     chosen.validate(gm)
-    plan = insert_observers(gm, annotations_of(gm), _make_fixed)
-    _run_callback(gm, chosen, plan)
+    annotations = annotations_of(gm, foreign=foreign)
+    if foreign:
+        check_no_tensor_kwargs(annotations)
+    buffers = {name for name, _ in gm.named_buffers(remove_duplicate=False)}
+    plan = insert_observers(
+        gm,
+        annotations,
+        _make_fixed,
+        make_observer=partial(observer_like_torchao, is_qat=is_qat) if foreign else None,
+        observe_edge=lambda producer, consumer: not _writes_buffer(consumer, producer, buffers),
+        observe_output=_is_tensor_output,
+        before_rewire=lambda plan: _run_callback(gm, chosen, plan),
+    )
+    for name in control_flow_subgraphs(gm):
+        sub = gm.get_submodule(name)
+        if isinstance(sub, GraphModule):
+            prepared, sub_plan = _prepare_graph(sub, chosen, is_qat)
+            full_range = bool(getattr(chosen, "full_range", False))
+            prepared.meta[PT2E_STATE_KEY] = Pt2eState(
+                "", (), is_qat, tuple(sub_plan.points_of_observer), full_range, foreign
+            )
+            owner, _, attr = name.rpartition(".")
+            setattr(gm.get_submodule(owner) if owner else gm, attr, prepared)
+    return gm, plan
+
+
+def _prepare(model: Any, quantizer: Any, is_qat: bool) -> GraphModule:
+    chosen, backend_name, kernels = resolve_quantizer(quantizer, is_qat)
+    foreign = isinstance(chosen, ForeignQuantizer)
+    gm = quiet_deepcopy(as_exported_module(model, require_export=not foreign))
+    gm, plan = _prepare_graph(gm, chosen, is_qat)
     names = tuple(plan.points_of_observer)
     full_range = bool(getattr(chosen, "full_range", False))
-    gm.meta[PT2E_STATE_KEY] = Pt2eState(backend_name, kernels, is_qat, names, full_range)
+    gm.meta[PT2E_STATE_KEY] = Pt2eState(backend_name, kernels, is_qat, names, full_range, foreign)
     attach_report(gm, _report(gm, backend_name, set(names)))
     replace_export_guard(gm)
-    return gm
+    return refuse_train_eval(gm)
 
 
 def prepare_pt2e(model: Any, quantizer: Any) -> GraphModule:
