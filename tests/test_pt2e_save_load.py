@@ -118,3 +118,21 @@ def test_prepare_leaves_the_users_exported_guard_alone():
     assert type(prepared._guards_fn).__name__ == "InputShapeGuard"
     with pytest.raises(AssertionError, match="dimension 0 is 5; the model was exported for 4"):
         prepared(torch.randn(5, 16))
+
+
+@pytest.mark.parametrize("lower", [True, False], ids=["lowered", "reference"])
+def test_lstm_exported_with_a_free_batch_loads_back(lower):
+    # Its graph builds the initial states with aten.zeros([2, sym_size(x, 0), 64]):
+    # torch.load re-traces the code, and torch.fx's plain tracer cannot pass a
+    # symbolic size inside a list to an aten op.
+    from qcore.examples import lstm
+    from qcore.examples._common import export_batch_free
+
+    x = torch.randn(4, lstm.SEQ_LEN, lstm.IN_FEATURES)
+    prepared = qcore.prepare_pt2e(export_batch_free(lstm.make_model(), (x,)), "x86")
+    prepared(x)
+    converted = qcore.convert_pt2e(prepared, lower=lower)
+    loaded = _save_and_load(converted)
+    for rows in (3, 5):
+        x = torch.randn(rows, lstm.SEQ_LEN, lstm.IN_FEATURES)
+        torch.testing.assert_close(_run(loaded, (x,)), _run(converted, (x,)), rtol=0, atol=0)

@@ -23,6 +23,7 @@ from qcore.engine.lower import lower as lower_to_kernels
 from qcore.engine.observe import DerivedObserver
 from qcore.engine.reference import QParams, qparams_of
 from qcore.pt2e.graph import refuse_train_eval
+from qcore.pt2e.guard import ExportedCodeTracer
 from qcore.pt2e.patterns import packet
 from qcore.pt2e.prepare import (
     PT2E_STATE_KEY,
@@ -157,7 +158,11 @@ def _convert_graph(gm: GraphModule, state: Pt2eState, *, decomposed: bool, fold:
 
 
 def convert_reference(
-    prepared: GraphModule, *, decomposed: bool = True, fold_quantize: bool = True
+    prepared: GraphModule,
+    *,
+    decomposed: bool = True,
+    fold_quantize: bool = True,
+    why: str = "reference form (not lowered)",
 ) -> GraphModule:
     """A converted copy in reference form.
 
@@ -181,7 +186,7 @@ def convert_reference(
     # A converted model is done with the kernels (engine functions, which do
     # not pickle): torch.save takes it whole.
     del gm.meta[PT2E_STATE_KEY]
-    attach_report(gm, _reference_report(report_of(prepared), gm, state))
+    attach_report(gm, _reference_report(report_of(prepared), gm, state, why))
     return gm
 
 
@@ -217,13 +222,25 @@ def _get_or_none(gm: GraphModule, target: str) -> Any:
     return value
 
 
-def _reference_report(prepared: Report | None, gm: GraphModule, state: Pt2eState) -> Report:
+def _compute_dtype(gm: GraphModule) -> torch.dtype:
+    """The floating-point dtype the graph's inputs and ops compute in (float32 if none)."""
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if node.op in ("placeholder", "call_function") and isinstance(value, torch.Tensor):
+            if value.is_floating_point() and value.dtype != torch.float32:
+                return value.dtype
+    return torch.float32
+
+
+def _reference_report(
+    prepared: Report | None, gm: GraphModule, state: Pt2eState, why: str
+) -> Report:
     by_name = {entry.node: entry for entry in (prepared.entries if prepared else [])}
     entries = []
     for node in gm.graph.nodes:
         entry = by_name.get(node.name) or Entry(node.name, "quantize/dequantize", Status.NOT_AN_OP)
         if entry.status is Status.QUANTIZED:
-            entry = entry.with_status(Status.REFERENCE, "reference form (not lowered)")
+            entry = entry.with_status(Status.REFERENCE, why)
         entries.append(entry)
     return Report(state.backend_name, entries)
 
@@ -261,6 +278,13 @@ def convert_pt2e(
         )
     if lower is None:
         lower = not state.foreign
+    computes_in = _compute_dtype(model)
+    if lower and computes_in != torch.float32:
+        # torch's int8 kernels take and return float32 around them
+        why = f"torch's int8 kernels take float32 models; this one computes in {computes_in}"
+        return refuse_train_eval(
+            convert_reference(model, decomposed=True, fold_quantize=fold_quantize, why=why)
+        )
     if not lower:
         return refuse_train_eval(
             convert_reference(model, decomposed=True, fold_quantize=fold_quantize)
@@ -274,4 +298,5 @@ def convert_pt2e(
     attach_report(gm, Report(state.backend_name, kept))
     lowered = lower_to_kernels(gm, state.kernels, state.backend_name)
     _delete_unused_constants(lowered)
+    lowered._tracer_cls = ExportedCodeTracer  # torch.load re-traces with it
     return refuse_train_eval(lowered)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-__all__ = ["InputShapeGuard", "replace_export_guard"]
+__all__ = ["ExportedCodeTracer", "InputShapeGuard", "replace_export_guard"]
 
 # One entry per dimension: its size if static, else the name of its symbol.
 DimSpec = int | str
@@ -75,17 +75,54 @@ def _shape_of(node: Node) -> tuple[DimSpec, ...] | None:
     return tuple(int(d) if isinstance(d, int) else str(d.node.expr) for d in value.shape)
 
 
+def _holds_proxy(value: object) -> bool:
+    if isinstance(value, torch.fx.Proxy):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_holds_proxy(item) for item in value)
+    if isinstance(value, dict):
+        return any(_holds_proxy(item) for item in value.values())
+    return False
+
+
+class ExportedCodeTracer(torch.fx.Tracer):
+    """The tracer torch.load re-traces a PT2E model's generated code with.
+
+    Graphs exported with a free dimension call aten ops with symbolic sizes inside
+    lists (``aten.zeros([2, sym_size, 64])``, ``aten.view(x, [sym_size, -1])``);
+    torch.fx's plain tracer hands those ops a Proxy where the op's schema wants an
+    int, which they refuse. This tracer records such a call as a graph node instead.
+    """
+
+    def trace(self, root, concrete_args=None):  # type: ignore[override]
+        overload = torch._ops.OpOverload
+        original = overload.__call__
+        tracer = self
+
+        def call(op, /, *args, **kwargs):
+            if _holds_proxy(args) or _holds_proxy(kwargs):
+                return tracer.create_proxy("call_function", op, args, kwargs)
+            return original(op, *args, **kwargs)
+
+        overload.__call__ = call  # only while this trace runs
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            overload.__call__ = original
+
+
 def replace_export_guard(gm: GraphModule) -> None:
     """Swap torch.export's generated guard of ``gm`` for an :class:`InputShapeGuard`.
 
-    Also drops the graph's tracer class: torch.load re-traces a GraphModule's
-    code with it, and export's tracer cannot be built without arguments.
+    Also replaces the graph's tracer class: torch.load re-traces a GraphModule's
+    code with it, and export's tracer cannot be built without arguments
+    (:class:`ExportedCodeTracer` can, and takes symbolic sizes).
     """
     for node in gm.graph.find_nodes(op="call_module", target="_guards_fn"):
         guarded = [arg for arg in node.args if isinstance(arg, Node)]
         gm._guards_fn = InputShapeGuard(
             tuple(arg.name for arg in guarded), tuple(_shape_of(arg) for arg in guarded)
         )
-    gm.graph._tracer_cls = None
-    gm._tracer_cls = None
+    gm.graph._tracer_cls = ExportedCodeTracer  # deep copies take the graph's
+    gm._tracer_cls = ExportedCodeTracer
     gm.recompile()
