@@ -16,8 +16,8 @@ Paths and peers, with the same mapping and bit width on both sides:
 
 transformers models rarely trace with torch.fx. The FX workaround is found as a user
 would: run qcore's ``prepare_fx``, read the module its ``TraceFailure`` names, mark it
-``non_traceable_module_name`` and retry. Where the named module holds every linear and
-conv of the model (marking it would quantize nothing), the model is swapped for its
+``non_traceable_module_name`` and retry. Where the named module holds most linears and
+convs of the model (marking it would quantize little more than a head), the model is swapped for its
 traceable body (``models.FX_BODIES``, the same float function). The peer gets the
 same model and the same prepare_custom_config. Failures on either side are results
 (stage and exception text), never exceptions.
@@ -69,7 +69,9 @@ class SideResult:
     def summary(self) -> str:
         if not self.ok:
             return f"{self.side} FAILED at {self.stage}: {self.error}"
-        return f"{self.side} SQNR {self.sqnr:.2f} dB, {self.weighted_quantized} linear/conv quantized"
+        return (
+            f"{self.side} SQNR {self.sqnr:.2f} dB, {self.weighted_quantized} linear/conv quantized"
+        )
 
 
 @dataclass
@@ -141,13 +143,21 @@ def custom_config(names: tuple[str, ...] | list[str]) -> Any:
     return PrepareCustomConfig().set_non_traceable_module_names(list(names))
 
 
-def _holds_every_weighted_module(model: nn.Module, name: str) -> bool:
+def _weighted(module: nn.Module) -> int:
+    """Linears and convs in ``module``, transformers' Conv1D (GPT-2's linears) included."""
+    from transformers.pytorch_utils import Conv1D
+
+    return sum(isinstance(m, (*_WEIGHTED, Conv1D)) for m in module.modules())
+
+
+def _holds_most_weighted_modules(model: nn.Module, name: str) -> bool:
+    """Whether marking ``name`` non-traceable would leave less than half of the model's
+    linears and convs to quantize (ViTModel, GPT2Model: all but the head)."""
     inside = model.get_submodule(name) if name not in ("", "<root>") else model
-    total = sum(isinstance(m, _WEIGHTED) for m in model.modules())
-    return sum(isinstance(m, _WEIGHTED) for m in inside.modules()) == total
+    return 2 * _weighted(inside) > _weighted(model)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fx_workaround(name: str) -> tuple[bool, tuple[str, ...]]:
     """(use the model's FX body, non-traceable module names) that let qcore trace ``name``.
 
@@ -171,7 +181,7 @@ def fx_workaround(name: str) -> tuple[bool, tuple[str, ...]]:
             if match is None:
                 break
             module = match.group(1)
-            if _holds_every_weighted_module(model, module):
+            if _holds_most_weighted_modules(model, module):
                 if use_body or name not in FX_BODIES:
                     break  # nothing to quantize left: report the failure as it is
                 use_body, names = True, []
@@ -331,8 +341,9 @@ def pt2e_torchao(case: Case) -> SideResult:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
-            from qcore_x86.quantizer import X86Quantizer
             from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+            from qcore_x86.quantizer import X86Quantizer
 
             # 7-bit activations on CPUs without VNNI, as qcore's X86Quantizer chooses
             reduce_range = X86Quantizer().reduce_range
@@ -379,9 +390,7 @@ def run_case(name: str, path: str, backend: str) -> CaseResult:
         ours, theirs, workaround = pt2e_qcore(case), pt2e_torchao(case), "-"
     else:
         raise ValueError(f"paths are {PATHS}, not {path!r}")
-    return CaseResult(
-        name, path, backend, workaround, ours, theirs, case.model, case.evaluation[0]
-    )
+    return CaseResult(name, path, backend, workaround, ours, theirs, case.model, case.evaluation[0])
 
 
 def all_cases() -> list[tuple[str, str, str]]:

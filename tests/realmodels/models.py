@@ -330,8 +330,8 @@ MODELS = tuple(BUILDERS)
 def _settle_batch_norm(model: nn.Module, data: list[tuple[torch.Tensor, ...]]) -> None:
     """Give batch norms the scales and running statistics training would: random init
     leaves them at mean 0, variance 1, and deep conv nets' activations then shrink to
-    nothing (logits near 1e-18, which quantize to zero on every side). Cumulative averages over a few
-    batches, with only the batch norms in train mode."""
+    nothing (logits near 1e-18, which quantize to zero on every side). Cumulative
+    averages over a few batches, with only the batch norms in train mode."""
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if not norms:
         return
