@@ -1,10 +1,12 @@
 """Observer insertion from annotations: the part both front doors share.
 
 Every annotated node output and input edge is an *observation point*. Points
-that must share qparams are united (union-find): explicitly through
-SharedQuantizationSpec, implicitly when an edge's spec equals its producer's
-output spec, and when edges from one producer carry equal specs. Each group
-gets one observer, inserted once in the graph.
+that must share qparams are united (union-find, with torchao's semantics):
+explicitly through SharedQuantizationSpec; implicitly when an edge's spec is
+the same quantization as its producer's output or another edge from that
+producer (they carry one tensor). Each group gets one observer; the graph calls
+it after the producer, an edge of another group chained after the producer's
+output observer, as torchao's and torch.ao's prepare do.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The PT2E front door: quantize torch.export graphs with a Quantizer or a backend name.
 
 >>> exported = torch.export.export(model.eval(), example_inputs).module()
->>> prepared = qcore.prepare_pt2e(exported, "x86")     # or a Quantizer
+>>> prepared = qcore.prepare_pt2e(exported, "x86")     # or a qcore/torchao Quantizer
 >>> for batch in calibration_data:
 ...     prepared(*batch)
 >>> converted = qcore.convert_pt2e(prepared)

@@ -1,9 +1,11 @@
 """convert_pt2e: observers -> quantize/dequantize on plain integer tensors, then kernels.
 
-Activation observers become ``qcore.ops`` quantize -> dequantize pairs (the
-engine's shared conversion). Observers of constants (weights, biases) are
-folded: the integer tensor is stored and only its dequantize runs. With
-``lower=True``, each ``dequantize -> linear/conv [-> post-ops] [-> quantize]`` becomes a
+The reference form (``lower=False``, and always for a torchao Quantizer) is
+``torch.ops.quantized_decomposed`` quantize -> dequantize with constants folded
+(:mod:`qcore.pt2e.qdq`), as torchao's convert_pt2e gives. For lowering, activation
+observers become ``qcore.ops`` pairs (the engine's shared conversion, bit-exact
+with fbgemm) and constants are folded the same way; then each
+``dequantize -> linear/conv [-> post-ops] [-> quantize]`` becomes a
 :class:`~qcore.engine.reference.ReferenceModule` and the backend's kernels
 replace it (``qcore.engine.lower``), as on the FX path.
 """
