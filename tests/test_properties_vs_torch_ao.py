@@ -8,8 +8,11 @@ residuals reused; ops on sizes and lists, bool masks, scalar arithmetic.
 Each model goes through qcore and through torch.ao FX with torch.ao's own
 default QConfigMapping for fbgemm (7-bit activations, so int8 sums cannot
 saturate on CPUs without VNNI). Where torch.ao runs, qcore must run too, and
-its SQNR against float must be at least torch.ao's - 0.5 dB, both in reference
-form and lowered to kernels.
+its SQNR against float, in reference form and lowered to kernels, must be at
+least that of torch.ao's reference path - 0.5 dB. torch.ao's reference is the
+yardstick, not its lowered model: some of its kernels ignore the observers the
+reference follows (add_scalar keeps its own zero point, a fixed-qparams output
+feeds a linear at 8 bits), so its lowered numbers are not a specification.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from backends import requires_fbgemm
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -30,7 +34,6 @@ from torch.ao.quantization.quantize_fx import convert_to_reference_fx as ao_refe
 from torch.ao.quantization.quantize_fx import prepare_fx as ao_prepare_fx
 
 import qcore
-from tests.backends import requires_fbgemm
 
 pytestmark = requires_fbgemm
 
@@ -262,10 +265,10 @@ def test_generated_graphs_match_torch_ao(parts):
     if peer is None:
         return  # torch.ao cannot quantize it either
     reference, lowered = _run_qcore(model, data)
-    for form, ours, theirs in (("reference", reference, peer[0]), ("lowered", lowered, peer[1])):
-        ours_db, theirs_db = sqnr(expected, ours), sqnr(expected, theirs)
+    for form, ours in (("reference", reference), ("lowered", lowered)):
+        ours_db, theirs_db = sqnr(expected, ours), sqnr(expected, peer[0])
         assert ours_db >= theirs_db - TOLERANCE_DB, (
-            f"{form}: qcore {ours_db:.1f} dB, torch.ao {theirs_db:.1f} dB on {parts}"
+            f"{form}: qcore {ours_db:.1f} dB, torch.ao's reference {theirs_db:.1f} dB on {parts}"
         )
 
 
@@ -281,8 +284,8 @@ def test_every_activation_form_after_conv_and_linear(activation):
     if peer is None:  # torch.ao fails on sigmoid_/tanh_ after a linear; qcore runs
         assert torch.isfinite(lowered).all()
         return
-    for form, ours, theirs in (("reference", reference, peer[0]), ("lowered", lowered, peer[1])):
-        ours_db, theirs_db = sqnr(expected, ours), sqnr(expected, theirs)
+    for form, ours in (("reference", reference), ("lowered", lowered)):
+        ours_db, theirs_db = sqnr(expected, ours), sqnr(expected, peer[0])
         assert ours_db >= theirs_db - TOLERANCE_DB, (
-            f"{form}: qcore {ours_db:.1f} dB, torch.ao {theirs_db:.1f} dB"
+            f"{form}: qcore {ours_db:.1f} dB, torch.ao's reference {theirs_db:.1f} dB"
         )

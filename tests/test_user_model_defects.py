@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from backends import backend_params, requires_fbgemm
 from torch import nn
 from torch.ao.quantization import (
     QConfigMapping,
@@ -22,11 +23,11 @@ from torch.ao.quantization import (
     get_default_qconfig_mapping,
 )
 from torch.ao.quantization.quantize_fx import convert_fx as ao_convert_fx
+from torch.ao.quantization.quantize_fx import convert_to_reference_fx as ao_reference_fx
 from torch.ao.quantization.quantize_fx import prepare_fx as ao_prepare_fx
 from torch.ao.quantization.quantize_fx import prepare_qat_fx as ao_prepare_qat_fx
 
 import qcore
-from tests.backends import requires_fbgemm
 
 pytestmark = requires_fbgemm
 
@@ -55,8 +56,12 @@ def _quantize(prepare, convert, model, mapping, data, **kwargs) -> torch.nn.Modu
         return convert(prepared)
 
 
-def qcore_and_torch_ao(model, data, *, qat=False, mapping=None):
-    """(float, qcore, torch.ao) outputs on data[0]; both sides get the same mapping."""
+def qcore_and_torch_ao(model, data, *, qat=False, mapping=None, peer_reference=False):
+    """(float, qcore, torch.ao) outputs on data[0]; both sides get the same mapping.
+
+    ``peer_reference``: compare with torch.ao's reference path rather than its lowered
+    model, where torch.ao's kernels skip a requantize its own reference does.
+    """
     if mapping is None:
         mapping = (get_default_qat_qconfig_mapping if qat else get_default_qconfig_mapping)(
             "fbgemm"
@@ -70,7 +75,11 @@ def qcore_and_torch_ao(model, data, *, qat=False, mapping=None):
         backend="fbgemm",
     )
     theirs = _quantize(
-        ao_prepare_qat_fx if qat else ao_prepare_fx, ao_convert_fx, model, mapping, data
+        ao_prepare_qat_fx if qat else ao_prepare_fx,
+        ao_reference_fx if peer_reference else ao_convert_fx,
+        model,
+        mapping,
+        data,
     )
     model.eval()
     with torch.no_grad():
@@ -287,3 +296,74 @@ def test_dynamic_functional_linear_without_calibration():
     with torch.no_grad():
         expected = model(x)
         assert sqnr(expected, ours(x)) >= sqnr(expected, theirs(x)) - TOLERANCE_DB
+
+
+# 13. a config may accept symmetric qint8 activations; torch's int8 conv/linear take quint8
+@pytest.mark.parametrize("backend", backend_params(("qnnpack", "native")))
+def test_qint8_activations_stay_in_reference_form_with_a_reason(backend):
+    from torch.ao.quantization.qconfig import default_symmetric_qnnpack_qconfig
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 4)).eval()
+    mapping = QConfigMapping().set_global(default_symmetric_qnnpack_qconfig)
+    x = torch.randn(2, 3, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = qcore.prepare_fx(model, mapping, (x,), backend=backend)
+    prepared(x)
+    converted = qcore.convert_fx(prepared)
+    reference = qcore.convert_to_reference_fx(prepared)
+    with torch.no_grad():
+        assert torch.equal(converted(x), reference(x))  # runs, on no kernel that would crash
+    statuses = _statuses(converted)
+    for node in ("_0", "_3"):
+        status, reason, _ = statuses[node]
+        assert status == "reference"
+        assert "its input is qint8; the kernel takes quint8 activations only" in reason
+
+
+# 5. onednn's fused conv + add sums into its residual in place: a reused residual is copied
+class ReusedResidual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(4, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv2(x)
+        z = self.conv1(x) + y
+        return z + y
+
+
+@pytest.mark.parametrize("backend", backend_params(("onednn", "native")))
+def test_reused_residual_survives_the_fused_conv_add(backend):
+    model, data = ReusedResidual().eval(), _batches((2, 4, 8, 8))
+    prepared = qcore.prepare_fx(model, None, (data[0],), backend=backend)
+    with torch.no_grad():
+        for batch in data:
+            prepared(batch)
+        lowered = qcore.convert_fx(prepared)
+        reference = qcore.convert_to_reference_fx(prepared)
+        assert torch.equal(lowered(data[0]), reference(data[0]))
+    assert "conv2d_add" in _statuses(lowered)["conv1"][2]
+
+
+# The real-model corpus (tests/realmodels/FINDINGS.md #1): a requantize the lowering
+# inserts (dropout observed apart from its input) read its qparams before defining them.
+class PooledDropoutHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.pool = nn.AdaptiveAvgPool2d((1, 1))
+        self.dropout = nn.Dropout(0.2)
+        self.classifier = nn.Linear(8, 10)
+
+    def forward(self, x):
+        x = torch.flatten(self.pool(self.conv(x)), start_dim=1)
+        return self.classifier(self.dropout(x))
+
+
+def test_dropout_head_lowers_in_graph_order():
+    converted = assert_not_worse_than_torch_ao(
+        PooledDropoutHead().eval(), _batches((2, 3, 8, 8)), peer_reference=True
+    )
+    assert _statuses(converted)["classifier"][0] == "quantized"

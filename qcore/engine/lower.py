@@ -108,6 +108,23 @@ def _match_chain(chain: tuple, root: Node, modules: dict) -> list[Node] | None:
     return nodes
 
 
+def _check_activation_dtypes(kernel: Any, match: KernelMatch) -> None:
+    """Refuse a match whose quantized activations the kernel does not take."""
+    accepted = {ops.storage_dtype(dtype) for dtype in getattr(kernel, "activation_dtypes", ())}
+    if not accepted:
+        return
+    boundary = [("input", q) for q in match.inputs] + [("output", match.output)]
+    for where, qparams in boundary:
+        if qparams is not None and ops.storage_dtype(qparams.dtype) not in accepted:
+            names = ", ".join(
+                sorted(str(d).removeprefix("torch.") for d in kernel.activation_dtypes)
+            )
+            raise _Refused(
+                f"its {where} is {str(qparams.dtype).removeprefix('torch.')}; the kernel takes "
+                f"{names} activations only"
+            )
+
+
 class _Lowering:
     def __init__(self, gm: GraphModule, kernels: tuple, backend: str) -> None:
         self.gm, self.graph, self.kernels, self.backend = gm, gm.graph, kernels, backend
@@ -214,6 +231,7 @@ class _Lowering:
 
     def _apply(self, kernel: Any, chain: list[Node]) -> None:
         match, quantize = self._describe(kernel, chain)
+        _check_activation_dtypes(kernel, match)
         try:
             result = kernel.lower(match)
         except Exception as error:  # a kernel that cannot take this instance leaves it as is
@@ -359,7 +377,9 @@ class _Lowering:
     def _requantize(self, node: Node, qparams: ActivationQParams) -> Node:
         with self.graph.inserting_after(node):
             dequantized = self.graph.call_method("dequantize", (node,))
-        with self.graph.inserting_after(dequantized):
+        # inserting_before the next node keeps the new nodes in creation order (the
+        # qparams' get_attr nodes before the quantize that reads them).
+        with self.graph.inserting_before(dequantized.next):
             scale, zero_point = self._qparams_attrs(f"{node.name}_output", qparams)
             requantized = self.graph.call_function(
                 torch.quantize_per_tensor, (dequantized, scale, zero_point, qparams.dtype)

@@ -61,6 +61,11 @@ UNAVAILABLE: dict[str, dict[str, str]] = {
 #: conv_transpose is off by many steps here, see UNAVAILABLE) and for fbgemm
 #: elsewhere: x86's kernel always takes the fbgemm format, which agrees with the
 #: reference on both kinds of CPU.
+# torch's static int8 conv and linear take and give quint8 activations only, on
+# every engine ("Expected activation data type QUInt8").
+UNSIGNED_FAMILIES = ("conv", "linear_relu", "linear")
+UNSIGNED_ONLY = (torch.quint8,)
+
 PACKED_AS: dict[str, dict[str, str]] = {
     "x86": {f"conv_transpose{dims}d": "fbgemm" for dims in (1, 2, 3)},
 }
@@ -189,6 +194,8 @@ def kernels_for(engine: str) -> list[Kernel]:
         if family in missing:
             lower = functools.partial(_unavailable, missing[family])
         packing = packed_as.get(family, engine)
+        unsigned = family.startswith(UNSIGNED_FAMILIES) and not family.endswith("_dynamic")
+        dtypes = UNSIGNED_ONLY if unsigned else ()
         for pattern in patterns:
-            kernels.append(Kernel(f"{engine}.{family}", pattern, packing, lower))
+            kernels.append(Kernel(f"{engine}.{family}", pattern, packing, lower, dtypes))
     return kernels

@@ -125,7 +125,8 @@ class Kernel:
     Example::
 
         >>> Kernel(name="linear", pattern=torch.nn.Linear, engine="fbgemm",
-        ...        lower=lower_linear)   # lower_linear(match: KernelMatch) -> Module
+        ...        lower=lower_linear,   # lower_linear(match: KernelMatch) -> Module
+        ...        activation_dtypes=(torch.quint8,))
     """
 
     name: str
@@ -133,6 +134,10 @@ class Kernel:
     engine: str
     lower: Any = field(default=None, compare=False)
     """Callable ``lower(match: KernelMatch) -> torch.nn.Module | SameOp``."""
+    activation_dtypes: tuple[torch.dtype, ...] = ()
+    """The quantized activation dtypes the kernel takes and returns (``(torch.quint8,)``
+    for torch's int8 conv and linear); empty takes any. Lowering checks it, so a
+    config that accepts other dtypes leaves the pattern in reference form, explained."""
 
     def __post_init__(self) -> None:
         from qcore.config.errors import invalid
@@ -143,6 +148,12 @@ class Kernel:
             raise invalid("Kernel.engine", self.engine, "a non-empty str such as 'fbgemm'")
         if self.lower is not None and not callable(self.lower):
             raise invalid("Kernel.lower", self.lower, "a callable or None")
+        if not isinstance(self.activation_dtypes, tuple) or not all(
+            isinstance(dtype, torch.dtype) for dtype in self.activation_dtypes
+        ):
+            raise invalid(
+                "Kernel.activation_dtypes", self.activation_dtypes, "a tuple of torch.dtype"
+            )
 
     @property
     def chain(self) -> tuple:

@@ -8,7 +8,9 @@ outputs. This Quantizer follows that recipe, the one torchao's
 X86InductorQuantizer implements, so that ``prepare_pt2e(model, "x86")`` matches
 it (tests/test_pt2e_peers.py):
 
-1. conv1d/conv2d/linear: the activation input (uint8, histogram) and the weight
+1. conv2d/linear, and conv1d followed by a unary post-op (as torchao, which leaves
+   a lone conv1d in float: it loses accuracy for no oneDNN fusion; measured 9 dB on
+   wav2vec2's feature extractor): the activation input (uint8, histogram) and the weight
    (int8, symmetric per output channel) are quantized; the bias stays float.
    A following post-op joins the pattern: for a conv relu, hardtanh (relu6),
    hardswish or silu, or a residual add (whose other input is quantized too)
@@ -55,6 +57,10 @@ LINEAR_POST_OPS |= {aten.tanh_, aten.gelu}
 RESIDUAL_ADDS = {aten.add, aten.add_}
 RELUS = {aten.relu, aten.relu_}
 BATCH_NORMS = {aten.batch_norm, aten._native_batch_norm_legit_no_training}
+CONV1D_WITHOUT_POST_OP = (
+    "x86 quantizes conv1d only with a fused unary post-op (relu, hardtanh, hardswish, "
+    "silu), as torchao's X86InductorQuantizer does"
+)
 INT8_IN_INT8_OUT = {
     aten.max_pool2d,
     aten.avg_pool2d,
@@ -82,6 +88,14 @@ FLATTEN_FEEDS_NO_QUANTIZED_OP = "no quantized op consumes its output, so it stay
 def _op(node: Node):
     target = node.target if node.op == "call_function" else None
     return getattr(target, "overloadpacket", None)
+
+
+def _has_unary_post_op(conv: Node) -> bool:
+    """A conv followed (through a training batch norm) by one of its fusable unary ops."""
+    user = _only_user(conv)
+    if user is not None and _op(user) in BATCH_NORMS:
+        user = _only_user(user)
+    return user is not None and _op(user) in CONV_POST_OPS
 
 
 def _only_user(node: Node) -> Node | None:
@@ -179,6 +193,9 @@ class X86Quantizer(Quantizer):
             self._outputs.add(node)
 
     def _weighted_pattern(self, root: Node) -> None:
+        if _op(root) is aten.conv1d and not _has_unary_post_op(root):
+            root.meta[REASON_KEY] = CONV1D_WITHOUT_POST_OP
+            return
         activation, weight = root.args[0], root.args[1]
         self._annotate(root, {activation: self.activation, weight: self.weight})
         is_conv = _op(root) is not aten.linear
