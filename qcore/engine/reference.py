@@ -131,6 +131,11 @@ class ReferenceModule(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
+    def __prepare_scriptable__(self) -> torch.nn.Module:
+        """What torch.jit.script compiles: the float module on the dequantized weights,
+        which is all forward runs (a pattern left in reference form)."""
+        return self.module
+
     def extra_repr(self) -> str:
         dtypes = sorted({str(q.dtype).replace("torch.", "") for q in self.weight_qparams.values()})
         return f"reference {self.original_type.__name__}, weights {'/'.join(dtypes)}"

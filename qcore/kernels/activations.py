@@ -6,6 +6,8 @@ torch's kernel.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch.fx import Node
@@ -17,7 +19,7 @@ from qcore.kernels.common import (
     require,
     same_as_input,
 )
-from qcore.kernels.layout import elementwise_in_memory_order
+from qcore.kernels.layout import back_from_memory_order, in_memory_order
 from qcore.ops import storage_dtype
 from qcore.plugin.kernels import ActivationQParams, KernelMatch, SameOp
 
@@ -59,28 +61,58 @@ class QuantizedClamp(torch.nn.Module):
     def __init__(self, low: float, high: float, output: ActivationQParams | None) -> None:
         super().__init__()
         self.low, self.high = low, high
-        self.requantize_to = output  # None: the output keeps the input's qparams
+        # None: the output keeps the input's qparams
+        self.requantize = output is not None
+        self.scale = output.scale if output is not None else 1.0
+        self.zero_point = output.zero_point if output is not None else 0
+        self.dtype = output.dtype if output is not None else torch.quint8
         # clamping keeps values inside a narrowed (7-bit) input range; a requantization
         # uses the dtype's full range
         self.honors_quant_range = output is None
 
-    def forward(self, x: torch.Tensor, *constants, **named_constants) -> torch.Tensor:
-        if x.is_contiguous() or torch.backends.quantized.engine != "qnnpack":
-            clamped = self._clamp(x)  # torch's clamp is right there; permuting costs
+    def __setstate__(self, state: dict) -> None:
+        if "requantize_to" in state:  # pickled before the kernel was scriptable
+            output = state.pop("requantize_to")
+            state["requantize"] = output is not None
+            state["scale"] = output.scale if output is not None else 1.0
+            state["zero_point"] = output.zero_point if output is not None else 0
+            state["dtype"] = output.dtype if output is not None else torch.quint8
+        super().__setstate__(state)
+
+    # The bounds are the kernel's own: the call's arguments (relu6's inplace,
+    # hardtanh's min_val/max_val, clamp's min/max) are accepted and not read.
+    def forward(
+        self,
+        x: torch.Tensor,
+        min: Any = None,  # noqa: A002 (torch.clamp's names)
+        max: Any = None,  # noqa: A002
+        inplace: Any = None,
+        min_val: Any = None,
+        max_val: Any = None,
+    ) -> torch.Tensor:
+        if torch.jit.is_scripting():
+            # TorchScript cannot read torch's global engine: memory order on any engine
+            # (exact: clamping is elementwise)
+            torch_clamp_is_right = x.is_contiguous()
         else:
-            clamped = elementwise_in_memory_order(self._clamp, x)
-        if self.requantize_to is None:
+            # torch's clamp is right there; permuting costs
+            torch_clamp_is_right = x.is_contiguous() or torch.backends.quantized.engine != "qnnpack"
+        if torch_clamp_is_right:
+            clamped = torch.clamp(x, self.low, self.high)
+        else:
+            view, back = in_memory_order(x)
+            clamped = back_from_memory_order(torch.clamp(view, self.low, self.high), back)
+        if not self.requantize:
             return clamped
-        output = self.requantize_to
         return torch.quantize_per_tensor(
-            clamped.dequantize(), output.scale, output.zero_point, output.dtype
+            clamped.dequantize(), self.scale, self.zero_point, self.dtype
         )
 
-    def _clamp(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.clamp(x, self.low, self.high)
-
     def extra_repr(self) -> str:
-        requantize = "" if self.requantize_to is None else f", requantize_to={self.requantize_to}"
+        requantize = ""
+        if self.requantize:
+            output = ActivationQParams(self.scale, self.zero_point, self.dtype)
+            requantize = f", requantize_to={output}"
         return f"low={self.low}, high={self.high}{requantize}"
 
 
@@ -155,7 +187,7 @@ def lower_fixed_qparams(match: KernelMatch, op: str) -> SameOp:
 class QuantizedHardswish(OutputKernel):
     """``torch.ops.quantized.hardswish``."""
 
-    def forward(self, x: torch.Tensor, *constants, **named_constants) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, inplace: Any = None) -> torch.Tensor:
         return torch.ops.quantized.hardswish(x, self.scale, self.zero_point)
 
 
@@ -171,12 +203,11 @@ class QuantizedELU(OutputKernel):
         super().__init__(output)
         self.alpha = float(alpha)
 
-    def forward(self, x: torch.Tensor, *constants, **named_constants) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, alpha: Any = None, inplace: Any = None) -> torch.Tensor:
         # torch's int8 elu returns a contiguous tensor: the next conv would copy it back
-        return elementwise_in_memory_order(self._elu, x)
-
-    def _elu(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.elu(x, self.scale, self.zero_point, self.alpha)
+        view, back = in_memory_order(x)
+        y = torch.ops.quantized.elu(view, self.scale, self.zero_point, self.alpha)
+        return back_from_memory_order(y, back)
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha}, {super().extra_repr()}"
@@ -198,7 +229,9 @@ class QuantizedLeakyReLU(OutputKernel):
         super().__init__(output)
         self.negative_slope = float(negative_slope)
 
-    def forward(self, x: torch.Tensor, *constants, **named_constants) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, negative_slope: Any = None, inplace: Any = None
+    ) -> torch.Tensor:
         return torch.ops.quantized.leaky_relu(
             x, self.negative_slope, False, self.scale, self.zero_point
         )

@@ -12,6 +12,7 @@ they differ.
 from __future__ import annotations
 
 import numbers
+from typing import Any, Union
 
 import torch
 
@@ -19,21 +20,6 @@ from qcore.kernels.common import OutputKernel, require
 from qcore.plugin.kernels import ActivationQParams, KernelMatch
 
 __all__ = ["QuantizedBinary", "QuantizedCat", "QuantizedMatmul", "QuantizedScalarBinary"]
-
-# Looked up by name: torch's op objects do not pickle, kernel modules must.
-_OPS = {
-    name: getattr(torch.ops.quantized, name)
-    for name in (
-        "add",
-        "add_relu",
-        "mul",
-        "mul_relu",
-        "add_scalar",
-        "add_scalar_relu",
-        "mul_scalar",
-        "mul_scalar_relu",
-    )
-}
 
 
 def _check_binary(match: KernelMatch) -> None:
@@ -51,8 +37,15 @@ class QuantizedBinary(OutputKernel):
         self.op, self.relu = op, relu
         self.op_name = f"{op}_relu" if relu else op
 
-    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return _OPS[self.op_name](a, b, self.scale, self.zero_point)
+    def forward(self, a: torch.Tensor, b: torch.Tensor, out: Any = None) -> torch.Tensor:
+        scale, zero_point = self.scale, self.zero_point
+        if self.op_name == "add":
+            return torch.ops.quantized.add(a, b, scale, zero_point)
+        if self.op_name == "add_relu":
+            return torch.ops.quantized.add_relu(a, b, scale, zero_point)
+        if self.op_name == "mul":
+            return torch.ops.quantized.mul(a, b, scale, zero_point)
+        return torch.ops.quantized.mul_relu(a, b, scale, zero_point)
 
     def extra_repr(self) -> str:
         return f"{self.op}{'_relu' if self.relu else ''}, {super().extra_repr()}"
@@ -66,17 +59,42 @@ class QuantizedScalarBinary(OutputKernel):
         self.op, self.relu, self.dtype = op, relu, output.dtype
         self.op_name = f"{op}_scalar_relu" if relu else f"{op}_scalar"
 
-    def forward(self, a, b) -> torch.Tensor:
-        tensor, scalar = (a, b) if isinstance(a, torch.Tensor) else (b, a)
-        result = _OPS[self.op_name](tensor, scalar)
+    def forward(
+        self,
+        a: Union[torch.Tensor, float, int],  # noqa: UP007 (TorchScript reads typing.Union)
+        b: Union[torch.Tensor, float, int],  # noqa: UP007
+        out: Any = None,
+    ) -> torch.Tensor:
+        if isinstance(a, torch.Tensor):
+            result = self._apply(a, _number(b))
+        else:
+            assert isinstance(b, torch.Tensor)
+            result = self._apply(b, _number(a))
         if result.q_scale() != self.scale or result.q_zero_point() != self.zero_point:
             result = torch.quantize_per_tensor(
                 result.dequantize(), self.scale, self.zero_point, self.dtype
             )
         return result
 
+    def _apply(self, tensor: torch.Tensor, scalar: float) -> torch.Tensor:
+        if self.op_name == "add_scalar":
+            return torch.ops.quantized.add_scalar(tensor, scalar)
+        if self.op_name == "add_scalar_relu":
+            return torch.ops.quantized.add_scalar_relu(tensor, scalar)
+        if self.op_name == "mul_scalar":
+            return torch.ops.quantized.mul_scalar(tensor, scalar)
+        return torch.ops.quantized.mul_scalar_relu(tensor, scalar)
+
     def extra_repr(self) -> str:
         return f"{self.op}_scalar{'_relu' if self.relu else ''}, {super().extra_repr()}"
+
+
+def _number(value: Union[torch.Tensor, float, int]) -> float:  # noqa: UP007
+    if isinstance(value, float):
+        return value
+    if isinstance(value, int):
+        return float(value)
+    raise ValueError("expected a quantized tensor and a Python number")
 
 
 def lower_binary(match: KernelMatch, op: str, relu: bool = False):
@@ -96,8 +114,8 @@ def lower_binary(match: KernelMatch, op: str, relu: bool = False):
 class QuantizedCat(OutputKernel):
     """``torch.ops.quantized.cat``: inputs of any qparams, requantized into the output's."""
 
-    def forward(self, tensors, dim: int = 0) -> torch.Tensor:
-        return torch.ops.quantized.cat(list(tensors), dim, self.scale, self.zero_point)
+    def forward(self, tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+        return torch.ops.quantized.cat(tensors, dim, self.scale, self.zero_point)
 
 
 def lower_cat(match: KernelMatch):
@@ -115,7 +133,7 @@ def lower_cat(match: KernelMatch):
 class QuantizedMatmul(OutputKernel):
     """``torch.ops.quantized.matmul`` of two int8 tensors."""
 
-    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def forward(self, a: torch.Tensor, b: torch.Tensor, out: Any = None) -> torch.Tensor:
         return torch.ops.quantized.matmul(a, b, self.scale, self.zero_point)
 
 

@@ -27,13 +27,6 @@ from qcore.plugin.kernels import KernelMatch, KernelUnavailable
 
 __all__ = ["DynamicLinear", "DynamicRNN"]
 
-_LINEAR_OPS = {
-    (False, False): torch.ops.quantized.linear_dynamic,
-    (False, True): torch.ops.quantized.linear_relu_dynamic,
-    (True, False): torch.ops.quantized.linear_dynamic_fp16,
-    (True, True): torch.ops.quantized.linear_relu_dynamic_fp16,
-}
-
 
 def _dynamic_reference(match: KernelMatch) -> tuple[ReferenceModule, bool, bool]:
     """(reference module, fp16 weights?, reduce_range)."""
@@ -80,10 +73,13 @@ class DynamicLinear(PackedWeights):
         return torch.ops.quantized.linear_prepack(self.qweight(), self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        op = _LINEAR_OPS[self.fp16, self.relu]
         if self.fp16:
-            return op(x, self._packed)
-        return op(x, self._packed, self.reduce_range)
+            if self.relu:
+                return torch.ops.quantized.linear_relu_dynamic_fp16(x, self._packed)
+            return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
+        if self.relu:
+            return torch.ops.quantized.linear_relu_dynamic(x, self._packed, self.reduce_range)
+        return torch.ops.quantized.linear_dynamic(x, self._packed, self.reduce_range)
 
     def extra_repr(self) -> str:
         return (
@@ -195,7 +191,60 @@ class DynamicRNN(PackedWeights):
             f"weights={'float16' if self.fp16 else 'qint8'}, engine={self.engine}"
         )
 
+    def __prepare_scriptable__(self) -> torch.nn.Module:
+        """What ``torch.jit.script`` compiles instead: LSTM and GRU take and return
+        different types, which one TorchScript forward cannot."""
+        return (_ScriptedLSTM if self.mode == "LSTM" else _ScriptedGRU)(self)
+
     @classmethod
     def lower(cls, match: KernelMatch):
         reference, fp16, reduce_range = _dynamic_reference(match)
         return cls(reference, fp16, reduce_range, match.engine)
+
+
+class _ScriptedRNN(torch.nn.Module):
+    """A :class:`DynamicRNN`'s packed cells and settings, with a typed forward."""
+
+    def __init__(self, rnn: DynamicRNN) -> None:
+        super().__init__()
+        self._packed = rnn._packed
+        self.has_bias, self.num_layers, self.dropout = rnn.has_bias, rnn.num_layers, rnn.dropout
+        self.bidirectional, self.batch_first = rnn.bidirectional, rnn.batch_first
+        self.hidden_size, self.fp16 = rnn.hidden_size, rnn.fp16
+
+    def _zeros(self, x: torch.Tensor) -> torch.Tensor:
+        directions = 2 if self.bidirectional else 1
+        batch = x.size(0) if self.batch_first else x.size(1)
+        return torch.zeros(self.num_layers * directions, batch, self.hidden_size, dtype=x.dtype)
+
+
+class _ScriptedLSTM(_ScriptedRNN):
+    def forward(
+        self, x: torch.Tensor, hx: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        if x.dim() != 3:
+            raise ValueError("DynamicRNN takes batched input (3 dims)")
+        if hx is None:
+            zeros = self._zeros(x)
+            state = [zeros, zeros]
+        else:
+            state = [hx[0], hx[1]]
+        dtype = torch.float16 if self.fp16 else torch.qint8
+        output, h, c = torch.quantized_lstm(
+            x, state, self._packed, self.has_bias, self.num_layers, self.dropout, False,
+            self.bidirectional, self.batch_first, dtype=dtype, use_dynamic=True,
+        )  # fmt: skip
+        return output, (h, c)
+
+
+class _ScriptedGRU(_ScriptedRNN):
+    def forward(
+        self, x: torch.Tensor, hx: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.dim() != 3:
+            raise ValueError("DynamicRNN takes batched input (3 dims)")
+        state = self._zeros(x) if hx is None else hx
+        return torch.quantized_gru(
+            x, state, self._packed, self.has_bias, self.num_layers, self.dropout, False,
+            self.bidirectional, self.batch_first,
+        )  # fmt: skip

@@ -83,26 +83,25 @@ class QuantizedEmbeddingBag(PackedWeights):
     def pack(self):
         return torch.ops.quantized.embedding_bag_prepack(self.qweight())
 
-    def forward(self, indices, offsets=None, per_sample_weights=None):
+    def forward(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if indices.dim() == 2:  # fixed-length bags, as nn.EmbeddingBag takes them
             offsets = torch.arange(0, indices.numel(), indices.size(1), dtype=indices.dtype)
             indices = indices.reshape(-1)
-        op = (
-            torch.ops.quantized.embedding_bag_4bit
-            if self.weight_dtype == torch.quint4x2
-            else torch.ops.quantized.embedding_bag_byte
-        )
-        return op(
-            self._packed,
-            indices,
-            offsets,
-            False,
-            _MODES[self.mode],
-            False,
-            per_sample_weights,
-            None,
-            self.include_last_offset,
-        )
+        mode = 0  # _MODES["sum"], the only mode taken
+        if self.weight_dtype == torch.quint4x2:
+            return torch.ops.quantized.embedding_bag_4bit(
+                self._packed, indices, offsets, False, mode, False,
+                per_sample_weights, None, self.include_last_offset,
+            )  # fmt: skip
+        return torch.ops.quantized.embedding_bag_byte(
+            self._packed, indices, offsets, False, mode, False,
+            per_sample_weights, None, self.include_last_offset,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return (

@@ -6,28 +6,39 @@ ones (elu), which makes the next conv copy its input back to channels-last; on
 quantized tensors that copy is not vectorized and costs more than the op. Viewed
 as NHWC, a channels-last tensor is contiguous: the op runs there, and the
 result, viewed back as NCHW, is channels-last again. No copy either way.
+
+The two halves, :func:`in_memory_order` and :func:`back_from_memory_order`, are
+TorchScript functions' building blocks (a scripted kernel cannot pass its op
+as a value); :func:`elementwise_in_memory_order` joins them for Python callers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 
-__all__ = ["elementwise_in_memory_order"]
+__all__ = ["back_from_memory_order", "elementwise_in_memory_order", "in_memory_order"]
 
 
-class _ChannelsLast(NamedTuple):
-    memory_format: torch.memory_format
-    to_channels_innermost: tuple[int, ...]
-    back: tuple[int, ...]
+def in_memory_order(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """``x`` as a contiguous tensor over its own memory (a permuted view where it is
+    channels-last, else ``x.contiguous()``) and the permutation back (``[]``: none)."""
+    if x.is_contiguous():
+        return x, []
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return x.permute(0, 2, 3, 1), [0, 3, 1, 2]
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return x.permute(0, 2, 3, 4, 1), [0, 4, 1, 2, 3]
+    return x.contiguous(), []
 
 
-_CHANNELS_LAST = {
-    4: _ChannelsLast(torch.channels_last, (0, 2, 3, 1), (0, 3, 1, 2)),
-    5: _ChannelsLast(torch.channels_last_3d, (0, 2, 3, 4, 1), (0, 4, 1, 2, 3)),
-}
+def back_from_memory_order(y: torch.Tensor, back: list[int]) -> torch.Tensor:
+    """The result of an elementwise op on :func:`in_memory_order`'s view, in the
+    input's dimension order (and so its memory layout)."""
+    if len(back) == 0:
+        return y
+    return y.permute(back)
 
 
 def elementwise_in_memory_order(
@@ -42,9 +53,5 @@ def elementwise_in_memory_order(
         >>> y.is_contiguous(memory_format=torch.channels_last)   # if qx was
         True
     """
-    if x.is_contiguous():
-        return op(x)
-    layout = _CHANNELS_LAST.get(x.dim())
-    if layout is not None and x.is_contiguous(memory_format=layout.memory_format):
-        return op(x.permute(layout.to_channels_innermost)).permute(layout.back)
-    return op(x.contiguous())
+    view, back = in_memory_order(x)
+    return back_from_memory_order(op(view), back)

@@ -35,14 +35,6 @@ class _NormKernel(OutputKernel):
         self.eps = float(eps)
 
 
-_BN_OPS = {
-    (2, False): torch.ops.quantized.batch_norm2d,
-    (2, True): torch.ops.quantized.batch_norm2d_relu,
-    (3, False): torch.ops.quantized.batch_norm3d,
-    (3, True): torch.ops.quantized.batch_norm3d_relu,
-}
-
-
 class QuantizedBatchNorm(_NormKernel):
     """``torch.ops.quantized.batch_norm{2,3}d[_relu]`` with the module's running statistics."""
 
@@ -54,16 +46,21 @@ class QuantizedBatchNorm(_NormKernel):
         self.dims, self.relu = dims, relu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _BN_OPS[self.dims, self.relu](
-            x,
-            self.weight,
-            self.bias,
-            self.running_mean,
-            self.running_var,
-            self.eps,
-            self.scale,
-            self.zero_point,
-        )
+        weight, bias, mean, var = self.weight, self.bias, self.running_mean, self.running_var
+        eps, scale, zero_point = self.eps, self.scale, self.zero_point
+        if self.dims == 2:
+            if self.relu:
+                return torch.ops.quantized.batch_norm2d_relu(
+                    x, weight, bias, mean, var, eps, scale, zero_point
+                )
+            return torch.ops.quantized.batch_norm2d(
+                x, weight, bias, mean, var, eps, scale, zero_point
+            )
+        if self.relu:
+            return torch.ops.quantized.batch_norm3d_relu(
+                x, weight, bias, mean, var, eps, scale, zero_point
+            )
+        return torch.ops.quantized.batch_norm3d(x, weight, bias, mean, var, eps, scale, zero_point)
 
 
 def lower_batch_norm(match: KernelMatch, dims: int):
@@ -83,7 +80,15 @@ class QuantizedLayerNorm(_NormKernel):
         super().__init__(output, weight, bias, eps)
         self.normalized_shape = list(normalized_shape)
 
-    def forward(self, x: torch.Tensor, *constants, **named_constants) -> torch.Tensor:
+    # F.layer_norm's other arguments are the kernel's own: accepted, not read.
+    def forward(
+        self,
+        x: torch.Tensor,
+        normalized_shape: Any = None,
+        weight: Any = None,
+        bias: Any = None,
+        eps: Any = None,
+    ) -> torch.Tensor:
         return torch.ops.quantized.layer_norm(
             x, self.normalized_shape, self.weight, self.bias, self.eps, self.scale, self.zero_point
         )
@@ -108,7 +113,15 @@ class QuantizedGroupNorm(_NormKernel):
         super().__init__(output, weight, bias, eps)
         self.num_groups = int(num_groups)
 
-    def forward(self, x: torch.Tensor, *constants, **named_constants) -> torch.Tensor:
+    # F.group_norm's other arguments are the kernel's own: accepted, not read.
+    def forward(
+        self,
+        x: torch.Tensor,
+        num_groups: Any = None,
+        weight: Any = None,
+        bias: Any = None,
+        eps: Any = None,
+    ) -> torch.Tensor:
         return torch.ops.quantized.group_norm(
             x, self.num_groups, self.weight, self.bias, self.eps, self.scale, self.zero_point
         )
@@ -128,12 +141,23 @@ def lower_group_norm(match: KernelMatch):
 class QuantizedInstanceNorm(_NormKernel):
     """``torch.ops.quantized.instance_norm`` (unit weight and zero bias when not affine)."""
 
-    def forward(self, x: torch.Tensor, *constants, **named_constants) -> torch.Tensor:
+    # F.instance_norm's other arguments are the kernel's own: accepted, not read.
+    def forward(
+        self,
+        x: torch.Tensor,
+        running_mean: Any = None,
+        running_var: Any = None,
+        weight: Any = None,
+        bias: Any = None,
+        use_input_stats: Any = None,
+        momentum: Any = None,
+        eps: Any = None,
+    ) -> torch.Tensor:
         channels = x.shape[1]
-        weight = self.weight if self.weight is not None else torch.ones(channels)
-        bias = self.bias if self.bias is not None else torch.zeros(channels)
+        gamma = self.weight if self.weight is not None else torch.ones(channels)
+        beta = self.bias if self.bias is not None else torch.zeros(channels)
         return torch.ops.quantized.instance_norm(
-            x, weight, bias, self.eps, self.scale, self.zero_point
+            x, gamma, beta, self.eps, self.scale, self.zero_point
         )
 
 

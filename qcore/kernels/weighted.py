@@ -5,6 +5,13 @@ x86/onednn) and takes and returns torch quantized tensors, so consecutive
 kernels pass int8 data without a dequantize/quantize round trip. Batch norm is
 folded into the weights at fusion time, so ConvBn* patterns arrive here as
 plain convolutions.
+
+Forwards call torch's ops by name in plain branches (no table of op objects, no
+op chosen in an expression) so that ``torch.jit.script`` compiles them. TorchScript
+types packed weights by their dimensionality (``Conv2dPackedParamsBase``) and
+compiles every branch, so a conv kernel hands it a module of its dimensionality
+(``__prepare_scriptable__``): :class:`ScriptedConv2d` and the like, holding the
+same packed object.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import torch
 
 from qcore.engine.reference import ReferenceModule, weighted_child
 from qcore.kernels.packed import PackedWeights
+from qcore.kernels.scripted import SCRIPTED_CONV, SCRIPTED_CONV_TRANSPOSE
 from qcore.plugin.kernels import ActivationQParams, KernelMatch
 
 __all__ = ["QuantizedConv", "QuantizedConvTranspose", "QuantizedLinear"]
@@ -47,8 +55,9 @@ class QuantizedLinear(PackedWeights):
         return torch.ops.quantized.linear_prepack(self.qweight(), self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        op = torch.ops.quantized.linear_relu if self.relu else torch.ops.quantized.linear
-        return op(x, self._packed, self.scale, self.zero_point)
+        if self.relu:
+            return torch.ops.quantized.linear_relu(x, self._packed, self.scale, self.zero_point)
+        return torch.ops.quantized.linear(x, self._packed, self.scale, self.zero_point)
 
     def extra_repr(self) -> str:
         return (
@@ -60,23 +69,6 @@ class QuantizedLinear(PackedWeights):
     @classmethod
     def lower(cls, match: KernelMatch, relu: bool = False):
         return cls(_reference(match), match.output, relu, match.engine)
-
-
-# Looked up by name: torch's op objects do not pickle, kernel modules must.
-_CONV_OPS = {
-    dims: tuple(
-        getattr(torch.ops.quantized, name.format(dims))
-        for name in ("conv{}d_prepack", "conv{}d", "conv{}d_relu")
-    )
-    for dims in (1, 2, 3)
-}
-_TRANSPOSE_OPS = {
-    dims: tuple(
-        getattr(torch.ops.quantized, name.format(dims))
-        for name in ("conv_transpose{}d_prepack", "conv_transpose{}d")
-    )
-    for dims in (1, 2, 3)
-}
 
 
 class QuantizedConv(PackedWeights):
@@ -103,21 +95,33 @@ class QuantizedConv(PackedWeights):
         self.repack()
 
     def pack(self):
-        prepack = _CONV_OPS[self.dims][0]
+        prepack = getattr(torch.ops.quantized, f"conv{self.dims}d_prepack")
         return prepack(
             self.qweight(), self.bias, self.stride, self.padding, self.dilation, self.groups
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _CONV_OPS[self.dims][2 if self.relu else 1](
-            x, self._packed, self.scale, self.zero_point
-        )
+        packed, scale, zero_point = self._packed, self.scale, self.zero_point
+        if self.dims == 2:
+            if self.relu:
+                return torch.ops.quantized.conv2d_relu(x, packed, scale, zero_point)
+            return torch.ops.quantized.conv2d(x, packed, scale, zero_point)
+        if self.dims == 1:
+            if self.relu:
+                return torch.ops.quantized.conv1d_relu(x, packed, scale, zero_point)
+            return torch.ops.quantized.conv1d(x, packed, scale, zero_point)
+        if self.relu:
+            return torch.ops.quantized.conv3d_relu(x, packed, scale, zero_point)
+        return torch.ops.quantized.conv3d(x, packed, scale, zero_point)
 
     def extra_repr(self) -> str:
         return (
             f"{self.description}, relu={self.relu}, engine={self.engine}, "
             f"scale={self.scale}, zero_point={self.zero_point}"
         )
+
+    def __prepare_scriptable__(self) -> torch.nn.Module:
+        return SCRIPTED_CONV[self.dims](self)
 
     @classmethod
     def lower(cls, match: KernelMatch, relu: bool = False):
@@ -164,7 +168,8 @@ class QuantizedConvTranspose(PackedWeights):
         self.repack()
 
     def pack(self):
-        return _TRANSPOSE_OPS[self.dims][0](
+        prepack = getattr(torch.ops.quantized, f"conv_transpose{self.dims}d_prepack")
+        return prepack(
             self.qweight(),
             self.bias,
             self.stride,
@@ -175,13 +180,21 @@ class QuantizedConvTranspose(PackedWeights):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _TRANSPOSE_OPS[self.dims][1](x, self._packed, self.scale, self.zero_point)
+        packed, scale, zero_point = self._packed, self.scale, self.zero_point
+        if self.dims == 2:
+            return torch.ops.quantized.conv_transpose2d(x, packed, scale, zero_point)
+        if self.dims == 1:
+            return torch.ops.quantized.conv_transpose1d(x, packed, scale, zero_point)
+        return torch.ops.quantized.conv_transpose3d(x, packed, scale, zero_point)
 
     def extra_repr(self) -> str:
         return (
             f"{self.description}, engine={self.engine}, "
             f"scale={self.scale}, zero_point={self.zero_point}"
         )
+
+    def __prepare_scriptable__(self) -> torch.nn.Module:
+        return SCRIPTED_CONV_TRANSPOSE[self.dims](self)
 
     @classmethod
     def lower(cls, match: KernelMatch):

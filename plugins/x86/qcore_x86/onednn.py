@@ -149,6 +149,14 @@ class _OnednnWeighted(PackedWeights):
         residual = "residual add, " if self.residual_add else ""
         return f"{self.description}, {residual}post-op={self.unary}, {output}"
 
+    def __prepare_scriptable__(self) -> torch.nn.Module:
+        """The same oneDNN calls on the same packed weight, saved and loaded by TorchScript
+        (``qcore_x86.onednn_scripted``)."""
+        from qcore_x86 import onednn_scripted
+
+        kind = "Linear" if isinstance(self, OnednnLinear) else "Conv"
+        return getattr(onednn_scripted, f"ScriptedOnednn{kind}")(self, self._packed)
+
 
 # What torch 2.13's qconv_pointwise accepts after a conv of each dimensionality.
 _CONV_POST_OPS = {
@@ -250,15 +258,34 @@ class OnednnPackedConvAdd(QuantizedConv):
         if len(match.inputs) != 2 or match.output is None or match.output.quant_range:
             raise ValueError("needs two int8 inputs and a full-range int8 output")
         super().__init__(match.module, match.output, relu, "onednn")
+        # What the scripted form (oneDNN's pointwise conv with a sum) needs.
+        self._x = (match.inputs[0].scale, match.inputs[0].zero_point)
+        self.residual_add, self.unary = True, "relu" if relu else "none"
+        self.unary_scalars, self.unary_algorithm = [], ""
 
     def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        op = torch.ops.quantized.conv2d_add_relu if self.relu else torch.ops.quantized.conv2d_add
         # The op checks the global quantized engine, not the packed weights' (torch 2.13).
         with using_engine("onednn"):
-            return op(x, other, self._packed, self.scale, self.zero_point)
+            if self.relu:
+                return torch.ops.quantized.conv2d_add_relu(
+                    x, other, self._packed, self.scale, self.zero_point
+                )
+            return torch.ops.quantized.conv2d_add(
+                x, other, self._packed, self.scale, self.zero_point
+            )
 
     def extra_repr(self) -> str:
         return "residual add, " + super().extra_repr()
+
+    def __prepare_scriptable__(self) -> torch.nn.Module:
+        """TorchScript cannot set the global engine ``quantized::conv2d_add`` reads: the
+        scripted form is oneDNN's pointwise conv with a sum on weights packed for it
+        (the same result; it reads no global engine)."""
+        from qcore_x86.onednn_scripted import ScriptedOnednnConv
+
+        if not self.weight_zero_point.eq(0).all():
+            raise ValueError("oneDNN's scripted conv-add takes symmetric weights (zero point 0)")
+        return ScriptedOnednnConv(self)
 
 
 def _conv_add(match: KernelMatch) -> OnednnPackedConvAdd:

@@ -1,0 +1,150 @@
+"""Converted FX models script with torch.jit.script, survive torch.jit.save/load, and
+give the eager converted model's outputs bit for bit.
+
+Scripting keeps each kernel's packed weights as they are (packed for the kernel's
+engine). torch.jit.load packs torch's ``quantized`` weights again for
+``torch.backends.quantized.engine``, as it does for torch.ao's scripted models, so a
+model is loaded (and run, since some of torch's int8 ops read the global engine too)
+under the engine its kernels were packed for. x86's oneDNN kernels pack themselves
+again on load, whatever the engine.
+"""
+
+import collections
+import io
+
+import pytest
+import torch
+from backends import FIRST_PARTY, backend_params
+from kernel_cases import CASES, build
+from torch import nn
+
+import qcore
+from qcore import ops
+from qcore.examples import ZOO
+from qcore.kernels.packed import PackedWeights
+from qcore.kernels.runtime import using_engine
+
+ALL_BACKENDS = (*FIRST_PARTY, "onednn", "native")
+_REFERENCE_FUNCTIONS = {
+    ops.quantize_per_tensor,
+    ops.dequantize_per_tensor,
+    ops.quantize_per_channel,
+    ops.dequantize_per_channel,
+    ops.fake_quantize_dynamic,
+}
+
+
+def _leaves(output):
+    return torch.utils._pytree.tree_leaves(output)
+
+
+def _assert_identical(expected, actual):
+    expected, actual = _leaves(expected), _leaves(actual)
+    assert len(expected) == len(actual)
+    for e, a in zip(expected, actual, strict=True):
+        assert torch.equal(e, a), (e - a).abs().max()
+
+
+def _packing_engine(model: nn.Module) -> str:
+    """The engine most of the model's ``quantized`` packed weights were packed for."""
+    engines = collections.Counter(
+        m.engine
+        for m in model.modules()
+        if isinstance(m, PackedWeights) and not type(m).__name__.startswith("Onednn")
+    )
+    return engines.most_common(1)[0][0] if engines else torch.backends.quantized.engine
+
+
+def _uses_reference_functions(model) -> list[str]:
+    return sorted(
+        node.target.__name__
+        for node in model.graph.nodes
+        if node.op == "call_function" and node.target in _REFERENCE_FUNCTIONS
+    )
+
+
+def _script_save_load(converted, inputs, engine: str):
+    """(eager output, scripted output, loaded output), all under ``engine``."""
+    with using_engine(engine), torch.no_grad():
+        scripted = torch.jit.script(converted)
+        buffer = io.BytesIO()
+        torch.jit.save(scripted, buffer)
+        buffer.seek(0)
+        loaded = torch.jit.load(buffer)
+        return converted(*inputs), scripted(*inputs), loaded(*inputs)
+
+
+@pytest.mark.parametrize("backend", backend_params(ALL_BACKENDS))
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_model_scripts_saves_loads_bit_exact(name, backend):
+    example = ZOO[name]
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = example.make_model()
+    inputs = example.example_inputs()
+    converted = qcore.quantize(model, inputs, example.calibration_data(2), backend=backend)
+    if _uses_reference_functions(converted):
+        pytest.xfail(f"reference form calls qcore.ops ({_uses_reference_functions(converted)})")
+    eager, scripted, loaded = _script_save_load(converted, inputs, _packing_engine(converted))
+    _assert_identical(eager, scripted)
+    _assert_identical(eager, loaded)
+
+
+# onednn's dynamic kernels are x86's (packed for the x86 engine); no single global
+# engine at load packs both them and onednn's convs as the eager model has them.
+_LOAD_ELSEWHERE = {("onednn", "linear_dynamic"), ("onednn", "lstm_dynamic")}
+
+
+@pytest.mark.parametrize("backend", backend_params(FIRST_PARTY))
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_kernel_scripts_saves_loads_bit_exact(name, backend):
+    built = build(CASES[name], backend)
+    converted = built.converted
+    if _uses_reference_functions(converted):
+        pytest.xfail(f"reference form calls qcore.ops ({_uses_reference_functions(converted)})")
+    eager, scripted, loaded = _script_save_load(converted, built.inputs, _packing_engine(converted))
+    _assert_identical(eager, scripted)
+    if (backend, name) not in _LOAD_ELSEWHERE:
+        _assert_identical(eager, loaded)
+
+
+class _ConvThenTransposed3d(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(3, 4, 1)
+        self.up = nn.ConvTranspose3d(4, 2, 2)
+
+    def forward(self, x):
+        return self.up(torch.relu(self.conv(x)))
+
+
+# torch 2.13 has no working int8 conv_transpose3d on these engines (qcore.kernels.UNAVAILABLE):
+# the config quantizes it, no kernel takes it, it stays in reference form.
+@pytest.mark.parametrize("backend", backend_params(("qnnpack", "onednn")))
+def test_a_pattern_left_in_reference_form_scripts(backend):
+    torch.manual_seed(0)
+    model = _ConvThenTransposed3d().eval()
+    inputs = (torch.randn(1, 3, 4, 4, 4),)
+    converted = qcore.quantize(model, inputs, [inputs, (torch.randn(1, 3, 4, 4, 4),)], backend)
+    report = qcore.explain(converted)
+    assert [e.op for e in report.reference] == ["ConvTranspose3d"], str(report)
+    assert report.quantized, str(report)
+    if _uses_reference_functions(converted):
+        pytest.xfail(f"reference form calls qcore.ops ({_uses_reference_functions(converted)})")
+    eager, scripted, loaded = _script_save_load(converted, inputs, _packing_engine(converted))
+    _assert_identical(eager, scripted)
+    _assert_identical(eager, loaded)
+
+
+def test_reference_module_scripts_as_its_float_module():
+    """What a pattern with no kernel keeps (a ReferenceModule) scripts as the float
+    module on the dequantized weights, which is all its forward runs."""
+    from qcore.engine.reference import ReferenceModule, qparams_of
+
+    observer = torch.ao.quantization.MinMaxObserver(dtype=torch.qint8)
+    conv = nn.ConvTranspose3d(4, 2, 2)
+    observer(conv.weight)
+    reference = ReferenceModule(conv, {"weight": qparams_of(observer)}, nn.ConvTranspose3d)
+    x = torch.randn(1, 4, 3, 3, 3)
+    with torch.no_grad():
+        _assert_identical(reference(x), torch.jit.script(reference)(x))
