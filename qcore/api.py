@@ -35,6 +35,7 @@ from qcore.engine.custom_config import (
     as_custom_config,
     copy_preserved,
 )
+from qcore.engine.custom_modules import custom_kernels, quantize_inputs_for, swap_quantized
 from qcore.engine.explain import Report, report_of
 from qcore.engine.fuse import fuse_graph
 from qcore.engine.lower import lower
@@ -287,7 +288,12 @@ def convert_fx(
     """
     settings = _convert_settings(prepared, convert_custom_config, qconfig_mapping, backend_config)
     state = state_of(prepared)
-    converted = lower(convert_to_reference(prepared), state.kernels, state.backend_name)
+    reference = convert_to_reference(prepared)
+    custom = swap_quantized(prepared, reference, state.custom_calls, settings)
+    kernels = state.kernels + custom_kernels(custom, state.backend_name)
+    converted = lower(reference, kernels, state.backend_name)
+    lowered = {entry.node for entry in explain(converted).quantized}
+    quantize_inputs_for(converted, custom, skip=lowered)
     return _finish(prepared, converted, settings)
 
 
@@ -301,7 +307,10 @@ def convert_to_reference_fx(
     """Convert to the reference representation (quantize -> dequantize -> float op
     -> quantize) without lowering to kernels. Arguments as :func:`convert_fx`."""
     settings = _convert_settings(prepared, convert_custom_config, qconfig_mapping, backend_config)
-    return _finish(prepared, convert_to_reference(prepared), settings)
+    reference = convert_to_reference(prepared)
+    custom = swap_quantized(prepared, reference, state_of(prepared).custom_calls, settings)
+    quantize_inputs_for(reference, custom, skip=set())
+    return _finish(prepared, reference, settings)
 
 
 def fuse_fx(

@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 from torch.fx import Node
+from torch.fx.passes.shape_prop import TensorMetadata
 
 from qcore.config import BackendConfig, BackendPatternConfig, DTypeConfig, ObservationType
 from qcore.config.compat import find_accepting_dtype_config
 from qcore.config.pattern import format_pattern
+from qcore.engine.custom_config import UnsupportedSetting
 from qcore.engine.explain import Entry, Status, op_name
 from qcore.engine.match import Match, find_matches, node_op
 from qcore.engine.qconfigs import qconfig_equals
@@ -119,8 +121,14 @@ def annotate_with_backend_config(
     qconfigs: Mapping[Node, Any],
     tensor_nodes: set[Node],
     fusion_notes: Mapping[Node, str],
+    custom_calls: Mapping[Node, Any] | None = None,
 ) -> tuple[dict[Node, QuantizationAnnotation], list[Decision], dict[str, Entry]]:
-    """Annotations for the accepted matches, the decisions, and an Entry per node."""
+    """Annotations for the accepted matches, the decisions, and an Entry per node.
+
+    ``custom_calls``: observed custom module calls and their QConfigs; their tensor
+    inputs and output are observed with the QConfig's activation (torch.ao's rule).
+    """
+    custom_calls = custom_calls or {}
     quant_configs = [c for c in backend.configs if c.dtype_configs]
     matches = find_matches(nodes, quant_configs, modules)
     annotations: dict[Node, QuantizationAnnotation] = {}
@@ -133,6 +141,16 @@ def annotate_with_backend_config(
         op = op_name(node, modules)
         if not node.op.startswith("call"):
             entries[node.name] = Entry(node.name, op, Status.NOT_AN_OP)
+            continue
+        if node in custom_calls:
+            _annotate_custom_call(node, custom_calls[node], tensor_nodes, annotations, spec_cache)
+            entries[node.name] = Entry(
+                node.name,
+                op,
+                Status.QUANTIZED,
+                "",
+                f"custom module {type(modules[node.target]).__name__}",
+            )
             continue
         match = matches.get(node)
         if match is not None and match.output not in tensor_nodes:
@@ -214,6 +232,28 @@ def _reuse_observed_inputs(annotations: dict[Node, QuantizationAnnotation]) -> N
                 annotation.input_qspec_map[producer] = SharedQuantizationSpec(producer)
 
 
+def _annotate_custom_call(
+    node: Node,
+    qconfig: Any,
+    tensor_nodes: set[Node],
+    annotations: dict[Node, QuantizationAnnotation],
+    cache: dict[int, QuantizationSpec],
+) -> None:
+    if not isinstance(node.meta.get("tensor_meta"), TensorMetadata):
+        raise UnsupportedSetting(
+            f"custom module {node.target!r}: its output is not one tensor; qcore swaps custom "
+            "module classes whose forward returns a single tensor (torch.ao's LSTM special "
+            "case is not supported): leave it float with non_traceable_module_class instead"
+        )
+    spec = _spec_from_ctr(qconfig.activation, cache)
+    annotation = annotations.setdefault(node, QuantizationAnnotation(_annotated=True))
+    for _, arg in _flat_node_args(node):
+        if arg in tensor_nodes:
+            annotation.input_qspec_map[arg] = spec
+    if node in tensor_nodes:
+        annotation.output_qspec = spec
+
+
 def _match_qconfig(match: Match, qconfigs: Mapping[Node, Any]) -> tuple[Any, str | None]:
     found = [qconfigs.get(node) for node in match.nodes]
     qconfig = found[0] if found else None
@@ -254,6 +294,10 @@ def _observation_type(config: BackendPatternConfig, root: Node, tensor_nodes: se
 
 _SCALAR_PRODUCTS = {operator.mul, torch.mul, "mul"}
 _SCALAR_SUMS = {operator.add, torch.add, "add"}
+
+
+def _fake_quantizes(spec: QuantizationSpec) -> bool:
+    return hasattr(spec.observer_or_fake_quant_ctr(), "fake_quant_enabled")
 
 
 def _has_fixed_qparams(node: Node, annotations: dict[Node, QuantizationAnnotation]) -> bool:
@@ -383,9 +427,11 @@ def _annotate(
                 first_edge = first_edge or (arg, node)
     output = annotations.setdefault(match.output, QuantizationAnnotation(_annotated=True))
     if observation is ObservationType.OUTPUT_SHARE_OBSERVER_WITH_INPUT:
+        # A derived observer only computes qparams: QAT must fake-quantize in training.
+        derivable = act_spec is not None and not _fake_quantizes(act_spec)
         derive = (
             _scalar_qparams(match.root, tensor_nodes, act_spec.dtype, annotations)
-            if act_spec
+            if derivable
             else None
         )
         if first_edge is not None and derive is not None:

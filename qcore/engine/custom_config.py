@@ -82,8 +82,12 @@ def _from_object(config: Any) -> dict[str, Any]:
     return {name: getattr(config, name) for name in _ATTRIBUTES if hasattr(config, name)}
 
 
-def _static_mapping(value: Any, where: str) -> dict[type, type]:
-    """torch.ao keys custom module classes by quant type: only "static" is honoured."""
+_QUANT_TYPES = ("static", "dynamic", "qat")
+
+
+def _class_mapping(value: Any, where: str) -> dict[type, type]:
+    """torch.ao keys custom module classes by quant type (static, dynamic, qat); the
+    classes say which is which (an observed class, a float one), so they are merged."""
     if not value:
         return {}
     if not isinstance(value, dict):
@@ -91,10 +95,10 @@ def _static_mapping(value: Any, where: str) -> dict[type, type]:
     mapping: dict[type, type] = {}
     for quant_type, classes in value.items():
         name = getattr(quant_type, "name", quant_type)
-        if str(name).lower() != "static" and classes:
+        if str(name).lower() not in _QUANT_TYPES and classes:
             raise UnsupportedSetting(
                 f"{where}: custom module classes for quant type {name!r} are not supported; "
-                "only static quantization swaps custom modules"
+                f"expected one of {list(_QUANT_TYPES)}"
             )
         for source, target in dict(classes).items():
             for cls in (source, target):
@@ -157,10 +161,10 @@ def as_custom_config(config: Any, where: str = "prepare_custom_config") -> Custo
         preserved_attributes=_names(
             settings.get("preserved_attributes"), f"{where}.preserved_attributes"
         ),
-        float_to_observed=_static_mapping(
+        float_to_observed=_class_mapping(
             settings.get("float_to_observed_mapping"), f"{where}.float_to_observed_mapping"
         ),
-        observed_to_quantized=_static_mapping(
+        observed_to_quantized=_class_mapping(
             settings.get("observed_to_quantized_mapping"),
             f"{where}.observed_to_quantized_mapping",
         ),

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_map
 from qcore.config import BackendConfig, BackendPatternConfig, DTypeConfig
 from qcore.config.errors import QCoreWarning
 from qcore.engine.backend_annotator import Decision, annotate_with_backend_config
+from qcore.engine.custom_modules import CustomCall, swap_observed
 from qcore.engine.explain import Entry, Report, Status, attach_report
 from qcore.engine.fuse import fuse_graph
 from qcore.engine.infer import inferred_tensor_nodes
@@ -66,6 +67,8 @@ class PreparedState:
     accepted: tuple[Accepted, ...] = ()
     observer_names: tuple[str, ...] = ()
     front_door: str = "fx"
+    custom_calls: tuple[CustomCall, ...] = ()
+    """Custom and non-traceable module calls with a QConfig (convert may swap them)."""
 
 
 def _tensor_nodes(gm: GraphModule, example_inputs: tuple) -> set[Node]:
@@ -161,11 +164,13 @@ def prepare(
     fuse_graph(
         gm, backend_config, is_qat, lambda new, old: _fused_qconfig(new, old, qconfigs, notes)
     )
+    custom_calls = swap_observed(gm, qconfigs, custom_config)
     modules = dict(gm.named_modules())
     nodes = list(gm.graph.nodes)
     tensor_nodes = _tensor_nodes(gm, example_inputs)
+    observed_calls = {node: call.qconfig for node, call in custom_calls.items() if call.static}
     annotations, decisions, entries = annotate_with_backend_config(
-        nodes, modules, backend_config, qconfigs, tensor_nodes, notes
+        nodes, modules, backend_config, qconfigs, tensor_nodes, notes, observed_calls
     )
     if is_qat:
         _swap_qat_modules(gm, decisions)
@@ -180,6 +185,7 @@ def prepare(
         is_qat,
         tuple(Accepted.of(decision) for decision in decisions),
         tuple(plan.points_of_observer),
+        custom_calls=tuple(custom_calls.values()),
     )
     gm.meta[STATE_KEY] = state
     report = Report(backend_name, [entries[n.name] for n in gm.graph.nodes])

@@ -60,24 +60,12 @@ CI_CASES = [
     ("wav2vec2", "pt2e", "x86"),
 ]
 
-_DROPOUT_CONVERT = (
-    "FINDINGS.md #1: convert_fx raises RuntimeError: Argument 'model_dropout_output_scale' of "
-    "Node 'quantize_per_tensor_103' was used before it has been defined (avgpool -> flatten "
-    "-> dropout -> linear head); torch.ao converts it"
-)
-_CONV1D_PT2E = (
-    "FINDINGS.md #2: qcore's x86 X86Quantizer quantizes aten.conv1d, which torchao's "
-    "X86InductorQuantizer leaves float: SQNR {ours} vs {theirs} dB"
-)
 # (model, path, backend) -> symptom, per check: qcore's open failures (FINDINGS.md).
+# Empty: the two found so far are fixed (FINDINGS.md keeps their history).
 KNOWN_FAILURES: dict[str, dict[tuple[str, str, str], str]] = {
-    "succeeds": {("mobilenet_v2", "fx", "qnnpack"): _DROPOUT_CONVERT},
-    "sqnr": {
-        ("mobilenet_v2", "fx", "qnnpack"): _DROPOUT_CONVERT,
-        ("whisper_encoder", "pt2e", "x86"): _CONV1D_PT2E.format(ours=63.6, theirs=65.2),
-        ("wav2vec2", "pt2e", "x86"): _CONV1D_PT2E.format(ours=29.1, theirs=38.4),
-    },
-    "coverage": {("mobilenet_v2", "fx", "qnnpack"): _DROPOUT_CONVERT},
+    "succeeds": {},
+    "sqnr": {},
+    "coverage": {},
 }
 
 

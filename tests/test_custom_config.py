@@ -1,0 +1,226 @@
+"""What torch.ao's prepare_fx/convert_fx accept, qcore accepts (issue 13, item 2).
+
+Legacy qconfig dicts, example inputs as a tensor or a list, torch.ao's argument
+order, and every PrepareCustomConfig/ConvertCustomConfig setting: honoured, or
+refused with an error naming it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from backends import requires_fbgemm
+from torch import nn
+from torch.ao.nn import quantized as nnq
+from torch.ao.quantization import (
+    QConfigMapping,
+    default_dynamic_qconfig,
+    default_qconfig,
+    get_default_qconfig_mapping,
+)
+from torch.ao.quantization.fx.custom_config import ConvertCustomConfig, PrepareCustomConfig
+
+import qcore
+from qcore.engine.custom_config import UnsupportedSetting
+
+pytestmark = requires_fbgemm
+
+
+class TwoLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 4)
+        self.attr = "kept"
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def _calibrated(prepared, x):
+    with torch.no_grad():
+        prepared(x)
+    return prepared
+
+
+def test_legacy_qconfig_dict_equals_the_mapping():
+    model, x = TwoLinears().eval(), torch.randn(8, 4)
+    legacy = {"": default_qconfig, "module_name": [("second", None)]}
+    mapping = QConfigMapping().set_global(default_qconfig).set_module_name("second", None)
+    from_dict = qcore.convert_fx(_calibrated(qcore.prepare_fx(model, legacy, (x,), "fbgemm"), x))
+    from_mapping = qcore.convert_fx(
+        _calibrated(qcore.prepare_fx(model, mapping, (x,), "fbgemm"), x)
+    )
+    assert torch.equal(from_dict(x), from_mapping(x))
+    statuses = {e.node: e.status.value for e in qcore.explain(from_dict).entries}
+    assert statuses["first"] == "quantized" and statuses["second"] == "float"
+
+
+@pytest.mark.parametrize("form", ["tensor", "list"])
+def test_example_inputs_as_a_tensor_or_a_list(form):
+    model, x = TwoLinears().eval(), torch.randn(8, 4)
+    example = x if form == "tensor" else [x]
+    prepared = qcore.prepare_fx(model, get_default_qconfig_mapping("fbgemm"), example, "fbgemm")
+    assert len(qcore.explain(prepared).quantized) == 2
+
+
+def test_torch_ao_positional_order_prepare_custom_config_fourth():
+    """torch.ao: prepare_fx(model, mapping, example_inputs, prepare_custom_config)."""
+    model, x = TwoLinears().eval(), torch.randn(8, 4)
+    config = PrepareCustomConfig().set_non_traceable_module_names(["second"])
+    prepared = qcore.prepare_fx(model, get_default_qconfig_mapping("fbgemm"), (x,), config)
+    assert [n.target for n in prepared.graph.nodes if n.target == "second"] == ["second"]
+
+
+def test_preserved_attributes_survive_prepare_and_convert():
+    model, x = TwoLinears().eval(), torch.randn(8, 4)
+    prepared = qcore.prepare_fx(
+        model, default_qconfig_mapping(), (x,), "fbgemm", {"preserved_attributes": ["attr"]}
+    )
+    assert prepared.attr == "kept"
+    converted = qcore.convert_fx(
+        _calibrated(prepared, x), ConvertCustomConfig().set_preserved_attributes(["attr"])
+    )
+    assert converted.attr == "kept"
+
+
+def default_qconfig_mapping():
+    return get_default_qconfig_mapping("fbgemm")
+
+
+# -- custom module classes -------------------------------------------------------------------
+
+
+class Custom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+class ObservedCustom(Custom):
+    @classmethod
+    def from_float(cls, float_module):
+        observed = cls()
+        observed.linear = float_module.linear
+        observed.qconfig = float_module.qconfig
+        return observed
+
+
+class QuantizedCustom(nn.Module):
+    def __init__(self, linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        return self.linear(x)
+
+    @classmethod
+    def from_observed(cls, observed):
+        observed.linear.activation_post_process = observed.activation_post_process
+        return cls(nnq.Linear.from_float(observed.linear))
+
+
+class WithCustom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.custom = Custom()
+
+    def forward(self, x):
+        return self.custom(self.first(x))
+
+
+CUSTOM_PREPARE = {"float_to_observed_custom_module_class": {"static": {Custom: ObservedCustom}}}
+CUSTOM_CONVERT = {
+    "observed_to_quantized_custom_module_class": {"static": {ObservedCustom: QuantizedCustom}}
+}
+
+
+def _two_linears_like(model: WithCustom) -> TwoLinears:
+    reference = TwoLinears().eval()
+    reference.first.load_state_dict(model.first.state_dict())
+    reference.second.load_state_dict(model.custom.linear.state_dict())
+    return reference
+
+
+@pytest.mark.parametrize("convert", ["convert_fx", "convert_to_reference_fx"])
+def test_custom_module_class_float_observed_quantized(convert):
+    torch.manual_seed(0)
+    model, x = WithCustom().eval(), torch.randn(8, 4)
+    mapping = QConfigMapping().set_global(default_qconfig)
+    prepared = qcore.prepare_fx(model, mapping, (x,), "fbgemm", CUSTOM_PREPARE)
+    assert isinstance(prepared.custom, ObservedCustom)
+    assert isinstance(model.custom, Custom) and not isinstance(model.custom, ObservedCustom)
+    converted = getattr(qcore, convert)(_calibrated(prepared, x), CUSTOM_CONVERT)
+    assert isinstance(converted.custom, QuantizedCustom)
+    # The same numbers as the custom module's linear quantized as an ordinary one.
+    plain = qcore.prepare_fx(_two_linears_like(model), mapping, (x,), "fbgemm")
+    expected = qcore.convert_fx(_calibrated(plain, x))(x)
+    assert torch.allclose(converted(x), expected, atol=1e-6)
+
+
+def test_custom_module_without_a_quantized_class_is_refused_by_name():
+    model, x = WithCustom().eval(), torch.randn(8, 4)
+    mapping = QConfigMapping().set_global(default_qconfig)
+    prepared = _calibrated(qcore.prepare_fx(model, mapping, (x,), "fbgemm", CUSTOM_PREPARE), x)
+    with pytest.raises(UnsupportedSetting, match="observed_to_quantized_mapping.*ObservedCustom"):
+        qcore.convert_fx(prepared)
+
+
+class DynamicCustom(nn.Module):
+    def __init__(self, linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        return self.linear(x)
+
+    @classmethod
+    def from_observed(cls, module):
+        from torch.ao.nn.quantized import dynamic as nnqd
+
+        return cls(nnqd.Linear.from_float(module.linear))
+
+
+def test_non_traceable_module_swapped_for_its_dynamic_class():
+    model, x = WithCustom().eval(), torch.randn(8, 4)
+    mapping = QConfigMapping().set_global(default_dynamic_qconfig)
+    prepared = qcore.prepare_fx(
+        model, mapping, (x,), "fbgemm", {"non_traceable_module_class": [Custom]}
+    )
+    converted = qcore.convert_fx(
+        prepared,
+        {"observed_to_quantized_custom_module_class": {"dynamic": {Custom: DynamicCustom}}},
+    )
+    assert isinstance(converted.custom, DynamicCustom)
+    assert (converted(x) - model(x)).abs().max() < 0.05
+
+
+# -- refused, by name ------------------------------------------------------------------------
+
+
+def test_standalone_modules_are_refused_by_name():
+    model, x = TwoLinears().eval(), torch.randn(8, 4)
+    config = {"standalone_module_name": [("second", None, (x,), None, None)]}
+    with pytest.raises(UnsupportedSetting, match="standalone_module_names"):
+        qcore.prepare_fx(model, default_qconfig_mapping(), (x,), "fbgemm", config)
+
+
+def test_unknown_custom_config_key_is_refused():
+    model, x = TwoLinears().eval(), torch.randn(8, 4)
+    with pytest.raises(UnsupportedSetting, match="'non_traceable_module'"):
+        qcore.prepare_fx(
+            model, default_qconfig_mapping(), (x,), "fbgemm", {"non_traceable_module": ["x"]}
+        )
+
+
+def test_changing_qconfigs_at_convert_is_refused():
+    model, x = TwoLinears().eval(), torch.randn(8, 4)
+    prepared = _calibrated(qcore.prepare_fx(model, default_qconfig_mapping(), (x,), "fbgemm"), x)
+    with pytest.raises(UnsupportedSetting, match="(?s)qconfig_mapping: .*changing QConfigs"):
+        qcore.convert_fx(prepared, qconfig_mapping=copy.deepcopy(default_qconfig_mapping()))
