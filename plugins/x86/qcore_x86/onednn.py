@@ -26,6 +26,7 @@ use the 8th bit. ``X86Quantizer`` quantizes activations to 7 bits on such CPUs
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.ao.nn.intrinsic as nni
@@ -258,12 +259,15 @@ class OnednnPackedConvAdd(QuantizedConv):
         if len(match.inputs) != 2 or match.output is None or match.output.quant_range:
             raise ValueError("needs two int8 inputs and a full-range int8 output")
         super().__init__(match.module, match.output, relu, "onednn")
+        self.residual_used_elsewhere = _residual_used_elsewhere(match.root)
         # What the scripted form (oneDNN's pointwise conv with a sum) needs.
         self._x = (match.inputs[0].scale, match.inputs[0].zero_point)
         self.residual_add, self.unary = True, "relu" if relu else "none"
         self.unary_scalars, self.unary_algorithm = [], ""
 
     def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        if self.residual_used_elsewhere:
+            other = other.clone()  # the op sums into its residual input in place
         # The op checks the global quantized engine, not the packed weights' (torch 2.13).
         with using_engine("onednn"):
             if self.relu:
@@ -286,6 +290,21 @@ class OnednnPackedConvAdd(QuantizedConv):
         if not self.weight_zero_point.eq(0).all():
             raise ValueError("oneDNN's scripted conv-add takes symmetric weights (zero point 0)")
         return ScriptedOnednnConv(self)
+
+
+def _residual_used_elsewhere(root: Any) -> bool:
+    """Whether the residual the fused conv-add reads is read by anything else too.
+
+    In the reference graph the residual is ``dequantize(quantize(y))``; ``y`` reused
+    (``z = conv(x) + y; z + y``) gives the quantize more than one reader.
+    """
+    residual = root.args[1]
+    readers = set(residual.users)
+    source = residual.args[0] if residual.args else None
+    if hasattr(source, "users"):
+        readers |= {reader for dequantize in source.users for reader in dequantize.users}
+        readers |= set(source.users) - {residual}
+    return bool(readers - {root})
 
 
 def _conv_add(match: KernelMatch) -> OnednnPackedConvAdd:
