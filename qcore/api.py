@@ -268,7 +268,12 @@ def _convert_settings(
     return as_custom_config(convert_custom_config, "convert_custom_config")
 
 
-def _finish(prepared: GraphModule, converted: GraphModule, settings: CustomConfig) -> GraphModule:
+def _finish(
+    prepared: GraphModule, converted: GraphModule, settings: CustomConfig, remove_qconfig: bool
+) -> GraphModule:
+    if remove_qconfig:  # torch.ao's _remove_qconfig: the converted model carries none
+        for module in converted.modules():
+            module.__dict__.pop("qconfig", None)
     copy_preserved(prepared, converted, settings.preserved_attributes)
     return converted
 
@@ -294,7 +299,7 @@ def convert_fx(
     converted = lower(reference, kernels, state.backend_name)
     lowered = {entry.node for entry in explain(converted).quantized}
     quantize_inputs_for(converted, custom, skip=lowered)
-    return _finish(prepared, converted, settings)
+    return _finish(prepared, converted, settings, _remove_qconfig)
 
 
 def convert_to_reference_fx(
@@ -310,7 +315,7 @@ def convert_to_reference_fx(
     reference = convert_to_reference(prepared)
     custom = swap_quantized(prepared, reference, state_of(prepared).custom_calls, settings)
     quantize_inputs_for(reference, custom, skip=set())
-    return _finish(prepared, reference, settings)
+    return _finish(prepared, reference, settings, _remove_qconfig)
 
 
 def fuse_fx(

@@ -332,6 +332,8 @@ def _scalar_qparams(
     if len(numbers_) != 1 or len(tensors) != 1 or numbers_[0] == 0:
         return None
     info = torch.iinfo(storage_dtype(dtype))
+    if isinstance(_resolved(tensors[0], annotations), DerivedQuantizationSpec):
+        return None  # x is derived itself (x * c * d): it shares, as torch.ao does
     if root.target in _SCALAR_PRODUCTS:
         return ScaledQParams(float(numbers_[0]), info.min, info.max)
     if root.target in _SCALAR_SUMS and _has_fixed_qparams(tensors[0], annotations):

@@ -60,7 +60,7 @@ def _float_and_weight_qparams(
 
 
 def _swap_reference_modules(gm: GraphModule, state: PreparedState) -> None:
-    modules = dict(gm.named_modules())
+    modules = dict(gm.named_modules(remove_duplicate=False))
     for accepted in state.accepted:
         if accepted.root_op != "call_module" or accepted.qconfig.weight is None:
             continue
@@ -141,7 +141,7 @@ def convert_to_reference(prepared: GraphModule, *, full_range: bool = True) -> G
     gm = copy.deepcopy(prepared)
     gm.eval()
     _swap_reference_modules(gm, state)
-    modules = dict(gm.named_modules())
+    modules = dict(gm.named_modules(remove_duplicate=False))
     observer_names = set(state.observer_names)
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target in observer_names:

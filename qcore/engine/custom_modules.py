@@ -70,7 +70,6 @@ def swap_observed(
     Returns the custom and non-traceable leaf calls that have a QConfig, which
     convert may swap (the static ones are also observed).
     """
-    modules = dict(gm.named_modules())
     names = set(settings.non_traceable_module_names)
     leaf_classes = settings.non_traceable_module_classes
     calls: dict[Node, CustomCall] = {}
@@ -78,7 +77,7 @@ def swap_observed(
     for node in gm.graph.nodes:
         if node.op != "call_module":
             continue
-        module = modules[node.target]
+        module = gm.get_submodule(node.target)  # (named_modules lists a shared one once)
         qconfig = qconfigs.get(node)
         observed_class = settings.float_to_observed.get(type(module))
         if qconfig is None:

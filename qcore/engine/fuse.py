@@ -82,7 +82,7 @@ def fuse_graph(
     rules = fusion_rules(backend_config)
     if not rules:
         return 0
-    modules = dict(gm.named_modules())
+    modules = dict(gm.named_modules(remove_duplicate=False))
     matches = {id(m): m for m in find_matches(list(gm.graph.nodes), rules, modules).values()}
     count = 0
     fused_away: set[str] = set()

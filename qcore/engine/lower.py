@@ -128,7 +128,7 @@ def _check_activation_dtypes(kernel: Any, match: KernelMatch) -> None:
 class _Lowering:
     def __init__(self, gm: GraphModule, kernels: tuple, backend: str) -> None:
         self.gm, self.graph, self.kernels, self.backend = gm, gm.graph, kernels, backend
-        self.modules = dict(gm.named_modules())
+        self.modules = dict(gm.named_modules(remove_duplicate=False))
         # float node (a dequantize qcore inserted) -> (quantized node, its qparams)
         self.float_of: dict[Node, tuple[Node, ActivationQParams]] = {}
         self.quantized: dict[tuple, Node] = {}  # (float node, qparams) -> quantize node

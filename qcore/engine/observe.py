@@ -59,6 +59,11 @@ class DerivedObserver(torch.nn.Module):
         observers = [root.get_submodule(name) for name in self.sources]
         return self.spec.derive_qparams_fn(observers)
 
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The derived qparams, for a derivation that reads this observer in turn
+        (``x * 0.5`` of a derived ``x``): the sources are held since insertion."""
+        return self.spec.derive_qparams_fn(self.source_observers)
+
 
 class _UnionFind:
     def __init__(self) -> None:
@@ -312,6 +317,10 @@ def insert_observers(
                 )
             sources.append(plan.observer_of_point[source])
         setattr(gm, name, DerivedObserver(spec, sources))
+    for name, _ in derived:  # every derived observer exists now: link their sources
+        observer = gm.get_submodule(name)
+        # A plain list, not submodules: the observers stay owned by the graph module.
+        observer.__dict__["source_observers"] = [gm.get_submodule(n) for n in observer.sources]
 
     if before_rewire is not None:
         before_rewire(plan)

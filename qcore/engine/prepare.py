@@ -125,8 +125,16 @@ def _fused_qconfig(new_node: Node, old_nodes: list[Node], qconfigs: dict, notes:
         )
 
 
+def _attach_qconfigs(gm: GraphModule, qconfigs: dict[Node, Any]) -> None:
+    """Each called module carries its QConfig as ``.qconfig``, as after torch.ao's
+    prepare (users and custom modules' from_float read it); convert removes it."""
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and node in qconfigs:
+            gm.get_submodule(node.target).qconfig = qconfigs[node]
+
+
 def _swap_qat_modules(gm: GraphModule, decisions: list[Decision]) -> None:
-    modules = dict(gm.named_modules())
+    modules = dict(gm.named_modules(remove_duplicate=False))
     for decision in decisions:
         qat_class = decision.match.config.qat_module
         root = decision.match.root
@@ -157,7 +165,7 @@ def prepare(
     gm = trace(model, custom_config)
     if is_qat:
         gm.train()
-    modules = dict(gm.named_modules())
+    modules = dict(gm.named_modules(remove_duplicate=False))
     nodes = list(gm.graph.nodes)
     qconfigs = assign_qconfigs(nodes, modules, qconfig_mapping, type(model))
     notes: dict[Node, str] = {}
@@ -165,13 +173,14 @@ def prepare(
         gm, backend_config, is_qat, lambda new, old: _fused_qconfig(new, old, qconfigs, notes)
     )
     custom_calls = swap_observed(gm, qconfigs, custom_config)
-    modules = dict(gm.named_modules())
+    modules = dict(gm.named_modules(remove_duplicate=False))
     nodes = list(gm.graph.nodes)
     tensor_nodes = _tensor_nodes(gm, example_inputs)
     observed_calls = {node: call.qconfig for node, call in custom_calls.items() if call.static}
     annotations, decisions, entries = annotate_with_backend_config(
         nodes, modules, backend_config, qconfigs, tensor_nodes, notes, observed_calls
     )
+    _attach_qconfigs(gm, qconfigs)
     if is_qat:
         _swap_qat_modules(gm, decisions)
     plan = insert_observers(gm, annotations, make_fixed)

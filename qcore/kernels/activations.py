@@ -33,6 +33,12 @@ __all__ = [
     "lower_relu",
 ]
 
+# torch's ops, bound once: a lookup through torch.ops costs about as much as the
+# Python around a kernel call. TorchScript compiles them as the ops themselves.
+_hardswish = torch.ops.quantized.hardswish
+_elu = torch.ops.quantized.elu
+_leaky_relu = torch.ops.quantized.leaky_relu
+
 aten = torch.ops.aten
 
 
@@ -188,7 +194,7 @@ class QuantizedHardswish(OutputKernel):
     """``torch.ops.quantized.hardswish``."""
 
     def forward(self, x: torch.Tensor, inplace: Any = None) -> torch.Tensor:
-        return torch.ops.quantized.hardswish(x, self.scale, self.zero_point)
+        return _hardswish(x, self.scale, self.zero_point)
 
 
 def lower_hardswish(match: KernelMatch):
@@ -206,7 +212,7 @@ class QuantizedELU(OutputKernel):
     def forward(self, x: torch.Tensor, alpha: Any = None, inplace: Any = None) -> torch.Tensor:
         # torch's int8 elu returns a contiguous tensor: the next conv would copy it back
         view, back = in_memory_order(x)
-        y = torch.ops.quantized.elu(view, self.scale, self.zero_point, self.alpha)
+        y = _elu(view, self.scale, self.zero_point, self.alpha)
         return back_from_memory_order(y, back)
 
     def extra_repr(self) -> str:
@@ -232,9 +238,7 @@ class QuantizedLeakyReLU(OutputKernel):
     def forward(
         self, x: torch.Tensor, negative_slope: Any = None, inplace: Any = None
     ) -> torch.Tensor:
-        return torch.ops.quantized.leaky_relu(
-            x, self.negative_slope, False, self.scale, self.zero_point
-        )
+        return _leaky_relu(x, self.negative_slope, False, self.scale, self.zero_point)
 
     def extra_repr(self) -> str:
         return f"negative_slope={self.negative_slope}, {super().extra_repr()}"

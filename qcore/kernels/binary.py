@@ -21,6 +21,19 @@ from qcore.plugin.kernels import ActivationQParams, KernelMatch
 
 __all__ = ["QuantizedBinary", "QuantizedCat", "QuantizedMatmul", "QuantizedScalarBinary"]
 
+# torch's ops, bound once: a lookup through torch.ops costs about as much as the
+# Python around a kernel call. TorchScript compiles them as the ops themselves.
+_add = torch.ops.quantized.add
+_add_relu = torch.ops.quantized.add_relu
+_mul = torch.ops.quantized.mul
+_mul_relu = torch.ops.quantized.mul_relu
+_add_scalar = torch.ops.quantized.add_scalar
+_add_scalar_relu = torch.ops.quantized.add_scalar_relu
+_mul_scalar = torch.ops.quantized.mul_scalar
+_mul_scalar_relu = torch.ops.quantized.mul_scalar_relu
+_cat = torch.ops.quantized.cat
+_matmul = torch.ops.quantized.matmul
+
 
 def _check_binary(match: KernelMatch) -> None:
     require(match.output is not None, "its output is not quantized")
@@ -38,14 +51,14 @@ class QuantizedBinary(OutputKernel):
         self.op_name = f"{op}_relu" if relu else op
 
     def forward(self, a: torch.Tensor, b: torch.Tensor, out: Any = None) -> torch.Tensor:
-        scale, zero_point = self.scale, self.zero_point
-        if self.op_name == "add":
-            return torch.ops.quantized.add(a, b, scale, zero_point)
-        if self.op_name == "add_relu":
-            return torch.ops.quantized.add_relu(a, b, scale, zero_point)
-        if self.op_name == "mul":
-            return torch.ops.quantized.mul(a, b, scale, zero_point)
-        return torch.ops.quantized.mul_relu(a, b, scale, zero_point)
+        op = self.op_name
+        if op == "add":
+            return _add(a, b, self.scale, self.zero_point)
+        if op == "add_relu":
+            return _add_relu(a, b, self.scale, self.zero_point)
+        if op == "mul":
+            return _mul(a, b, self.scale, self.zero_point)
+        return _mul_relu(a, b, self.scale, self.zero_point)
 
     def extra_repr(self) -> str:
         return f"{self.op}{'_relu' if self.relu else ''}, {super().extra_repr()}"
@@ -78,12 +91,12 @@ class QuantizedScalarBinary(OutputKernel):
 
     def _apply(self, tensor: torch.Tensor, scalar: float) -> torch.Tensor:
         if self.op_name == "add_scalar":
-            return torch.ops.quantized.add_scalar(tensor, scalar)
+            return _add_scalar(tensor, scalar)
         if self.op_name == "add_scalar_relu":
-            return torch.ops.quantized.add_scalar_relu(tensor, scalar)
+            return _add_scalar_relu(tensor, scalar)
         if self.op_name == "mul_scalar":
-            return torch.ops.quantized.mul_scalar(tensor, scalar)
-        return torch.ops.quantized.mul_scalar_relu(tensor, scalar)
+            return _mul_scalar(tensor, scalar)
+        return _mul_scalar_relu(tensor, scalar)
 
     def extra_repr(self) -> str:
         return f"{self.op}_scalar{'_relu' if self.relu else ''}, {super().extra_repr()}"
@@ -115,7 +128,7 @@ class QuantizedCat(OutputKernel):
     """``torch.ops.quantized.cat``: inputs of any qparams, requantized into the output's."""
 
     def forward(self, tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
-        return torch.ops.quantized.cat(tensors, dim, self.scale, self.zero_point)
+        return _cat(tensors, dim, self.scale, self.zero_point)
 
 
 def lower_cat(match: KernelMatch):
@@ -134,7 +147,7 @@ class QuantizedMatmul(OutputKernel):
     """``torch.ops.quantized.matmul`` of two int8 tensors."""
 
     def forward(self, a: torch.Tensor, b: torch.Tensor, out: Any = None) -> torch.Tensor:
-        return torch.ops.quantized.matmul(a, b, self.scale, self.zero_point)
+        return _matmul(a, b, self.scale, self.zero_point)
 
 
 def lower_matmul(match: KernelMatch):

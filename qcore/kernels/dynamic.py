@@ -27,6 +27,13 @@ from qcore.plugin.kernels import KernelMatch, KernelUnavailable
 
 __all__ = ["DynamicLinear", "DynamicRNN"]
 
+# torch's ops, bound once: a lookup through torch.ops costs about as much as the
+# Python around a kernel call. TorchScript compiles them as the ops themselves.
+_linear_relu_dynamic_fp16 = torch.ops.quantized.linear_relu_dynamic_fp16
+_linear_dynamic_fp16 = torch.ops.quantized.linear_dynamic_fp16
+_linear_relu_dynamic = torch.ops.quantized.linear_relu_dynamic
+_linear_dynamic = torch.ops.quantized.linear_dynamic
+
 
 def _dynamic_reference(match: KernelMatch) -> tuple[ReferenceModule, bool, bool]:
     """(reference module, fp16 weights?, reduce_range)."""
@@ -75,11 +82,11 @@ class DynamicLinear(PackedWeights):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp16:
             if self.relu:
-                return torch.ops.quantized.linear_relu_dynamic_fp16(x, self._packed)
-            return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
+                return _linear_relu_dynamic_fp16(x, self._packed)
+            return _linear_dynamic_fp16(x, self._packed)
         if self.relu:
-            return torch.ops.quantized.linear_relu_dynamic(x, self._packed, self.reduce_range)
-        return torch.ops.quantized.linear_dynamic(x, self._packed, self.reduce_range)
+            return _linear_relu_dynamic(x, self._packed, self.reduce_range)
+        return _linear_dynamic(x, self._packed, self.reduce_range)
 
     def extra_repr(self) -> str:
         return (

@@ -14,6 +14,13 @@ from qcore.plugin.kernels import KernelMatch
 
 __all__ = ["QuantizedEmbedding", "QuantizedEmbeddingBag"]
 
+# torch's ops, bound once: a lookup through torch.ops costs about as much as the
+# Python around a kernel call. TorchScript compiles them as the ops themselves.
+_embedding_4bit = torch.ops.quantized.embedding_4bit
+_embedding_byte = torch.ops.quantized.embedding_byte
+_embedding_bag_4bit = torch.ops.quantized.embedding_bag_4bit
+_embedding_bag_byte = torch.ops.quantized.embedding_bag_byte
+
 # torch 2.13's embedding_bag_byte/_4bit sum whatever mode they are given.
 _MODES = {"sum": 0}
 
@@ -51,8 +58,8 @@ class QuantizedEmbedding(PackedWeights):
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         if self.weight_dtype == torch.quint4x2:
-            return torch.ops.quantized.embedding_4bit(self._packed, indices)
-        return torch.ops.quantized.embedding_byte(self._packed, indices)
+            return _embedding_4bit(self._packed, indices)
+        return _embedding_byte(self._packed, indices)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, weights={self.weight_dtype}"
@@ -94,11 +101,11 @@ class QuantizedEmbeddingBag(PackedWeights):
             indices = indices.reshape(-1)
         mode = 0  # _MODES["sum"], the only mode taken
         if self.weight_dtype == torch.quint4x2:
-            return torch.ops.quantized.embedding_bag_4bit(
+            return _embedding_bag_4bit(
                 self._packed, indices, offsets, False, mode, False,
                 per_sample_weights, None, self.include_last_offset,
             )  # fmt: skip
-        return torch.ops.quantized.embedding_bag_byte(
+        return _embedding_bag_byte(
             self._packed, indices, offsets, False, mode, False,
             per_sample_weights, None, self.include_last_offset,
         )  # fmt: skip

@@ -22,6 +22,16 @@ __all__ = [
     "QuantizedLayerNorm",
 ]
 
+# torch's ops, bound once: a lookup through torch.ops costs about as much as the
+# Python around a kernel call. TorchScript compiles them as the ops themselves.
+_batch_norm2d_relu = torch.ops.quantized.batch_norm2d_relu
+_batch_norm2d = torch.ops.quantized.batch_norm2d
+_batch_norm3d_relu = torch.ops.quantized.batch_norm3d_relu
+_batch_norm3d = torch.ops.quantized.batch_norm3d
+_layer_norm = torch.ops.quantized.layer_norm
+_group_norm = torch.ops.quantized.group_norm
+_instance_norm = torch.ops.quantized.instance_norm
+
 
 def _buffer(value: Any) -> torch.Tensor | None:
     return None if value is None else value.detach().float().clone()
@@ -50,17 +60,11 @@ class QuantizedBatchNorm(_NormKernel):
         eps, scale, zero_point = self.eps, self.scale, self.zero_point
         if self.dims == 2:
             if self.relu:
-                return torch.ops.quantized.batch_norm2d_relu(
-                    x, weight, bias, mean, var, eps, scale, zero_point
-                )
-            return torch.ops.quantized.batch_norm2d(
-                x, weight, bias, mean, var, eps, scale, zero_point
-            )
+                return _batch_norm2d_relu(x, weight, bias, mean, var, eps, scale, zero_point)
+            return _batch_norm2d(x, weight, bias, mean, var, eps, scale, zero_point)
         if self.relu:
-            return torch.ops.quantized.batch_norm3d_relu(
-                x, weight, bias, mean, var, eps, scale, zero_point
-            )
-        return torch.ops.quantized.batch_norm3d(x, weight, bias, mean, var, eps, scale, zero_point)
+            return _batch_norm3d_relu(x, weight, bias, mean, var, eps, scale, zero_point)
+        return _batch_norm3d(x, weight, bias, mean, var, eps, scale, zero_point)
 
 
 def lower_batch_norm(match: KernelMatch, dims: int):
@@ -89,7 +93,7 @@ class QuantizedLayerNorm(_NormKernel):
         bias: Any = None,
         eps: Any = None,
     ) -> torch.Tensor:
-        return torch.ops.quantized.layer_norm(
+        return _layer_norm(
             x, self.normalized_shape, self.weight, self.bias, self.eps, self.scale, self.zero_point
         )
 
@@ -122,7 +126,7 @@ class QuantizedGroupNorm(_NormKernel):
         bias: Any = None,
         eps: Any = None,
     ) -> torch.Tensor:
-        return torch.ops.quantized.group_norm(
+        return _group_norm(
             x, self.num_groups, self.weight, self.bias, self.eps, self.scale, self.zero_point
         )
 
@@ -156,9 +160,7 @@ class QuantizedInstanceNorm(_NormKernel):
         channels = x.shape[1]
         gamma = self.weight if self.weight is not None else torch.ones(channels)
         beta = self.bias if self.bias is not None else torch.zeros(channels)
-        return torch.ops.quantized.instance_norm(
-            x, gamma, beta, self.eps, self.scale, self.zero_point
-        )
+        return _instance_norm(x, gamma, beta, self.eps, self.scale, self.zero_point)
 
 
 def lower_instance_norm(match: KernelMatch):

@@ -6,7 +6,7 @@ kernels pass int8 data without a dequantize/quantize round trip. Batch norm is
 folded into the weights at fusion time, so ConvBn* patterns arrive here as
 plain convolutions.
 
-Forwards call torch's ops by name in plain branches (no table of op objects, no
+Forwards call torch's ops (bound once at import) in plain branches (no table of ops, no
 op chosen in an expression) so that ``torch.jit.script`` compiles them. TorchScript
 types packed weights by their dimensionality (``Conv2dPackedParamsBase``) and
 compiles every branch, so a conv kernel hands it a module of its dimensionality
@@ -24,6 +24,20 @@ from qcore.kernels.scripted import SCRIPTED_CONV, SCRIPTED_CONV_TRANSPOSE
 from qcore.plugin.kernels import ActivationQParams, KernelMatch
 
 __all__ = ["QuantizedConv", "QuantizedConvTranspose", "QuantizedLinear"]
+
+# torch's ops, bound once: a lookup through torch.ops costs about as much as the
+# Python around a kernel call. TorchScript compiles them as the ops themselves.
+_linear_relu = torch.ops.quantized.linear_relu
+_linear = torch.ops.quantized.linear
+_conv2d_relu = torch.ops.quantized.conv2d_relu
+_conv2d = torch.ops.quantized.conv2d
+_conv1d_relu = torch.ops.quantized.conv1d_relu
+_conv1d = torch.ops.quantized.conv1d
+_conv3d_relu = torch.ops.quantized.conv3d_relu
+_conv3d = torch.ops.quantized.conv3d
+_conv_transpose2d = torch.ops.quantized.conv_transpose2d
+_conv_transpose1d = torch.ops.quantized.conv_transpose1d
+_conv_transpose3d = torch.ops.quantized.conv_transpose3d
 
 
 def _reference(match: KernelMatch) -> ReferenceModule:
@@ -56,8 +70,8 @@ class QuantizedLinear(PackedWeights):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.relu:
-            return torch.ops.quantized.linear_relu(x, self._packed, self.scale, self.zero_point)
-        return torch.ops.quantized.linear(x, self._packed, self.scale, self.zero_point)
+            return _linear_relu(x, self._packed, self.scale, self.zero_point)
+        return _linear(x, self._packed, self.scale, self.zero_point)
 
     def extra_repr(self) -> str:
         return (
@@ -104,15 +118,15 @@ class QuantizedConv(PackedWeights):
         packed, scale, zero_point = self._packed, self.scale, self.zero_point
         if self.dims == 2:
             if self.relu:
-                return torch.ops.quantized.conv2d_relu(x, packed, scale, zero_point)
-            return torch.ops.quantized.conv2d(x, packed, scale, zero_point)
+                return _conv2d_relu(x, packed, scale, zero_point)
+            return _conv2d(x, packed, scale, zero_point)
         if self.dims == 1:
             if self.relu:
-                return torch.ops.quantized.conv1d_relu(x, packed, scale, zero_point)
-            return torch.ops.quantized.conv1d(x, packed, scale, zero_point)
+                return _conv1d_relu(x, packed, scale, zero_point)
+            return _conv1d(x, packed, scale, zero_point)
         if self.relu:
-            return torch.ops.quantized.conv3d_relu(x, packed, scale, zero_point)
-        return torch.ops.quantized.conv3d(x, packed, scale, zero_point)
+            return _conv3d_relu(x, packed, scale, zero_point)
+        return _conv3d(x, packed, scale, zero_point)
 
     def extra_repr(self) -> str:
         return (
@@ -182,10 +196,10 @@ class QuantizedConvTranspose(PackedWeights):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed, scale, zero_point = self._packed, self.scale, self.zero_point
         if self.dims == 2:
-            return torch.ops.quantized.conv_transpose2d(x, packed, scale, zero_point)
+            return _conv_transpose2d(x, packed, scale, zero_point)
         if self.dims == 1:
-            return torch.ops.quantized.conv_transpose1d(x, packed, scale, zero_point)
-        return torch.ops.quantized.conv_transpose3d(x, packed, scale, zero_point)
+            return _conv_transpose1d(x, packed, scale, zero_point)
+        return _conv_transpose3d(x, packed, scale, zero_point)
 
     def extra_repr(self) -> str:
         return (
