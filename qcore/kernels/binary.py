@@ -79,10 +79,18 @@ class QuantizedScalarBinary(OutputKernel):
         out: Any = None,
     ) -> torch.Tensor:
         if isinstance(a, torch.Tensor):
-            result = self._apply(a, _number(b))
+            tensor, scalar = a, _number(b)
         else:
             assert isinstance(b, torch.Tensor)
-            result = self._apply(b, _number(a))
+            tensor, scalar = b, _number(a)
+        result = self._apply(tensor, scalar)
+        if self.op == "add" and result.q_scale() != tensor.q_scale():
+            # torch's add_scalar widened its range (the shifted zero point left the
+            # dtype's): that cost resolution. Compute as the reference does.
+            exact = tensor.dequantize() + scalar
+            if self.relu:
+                exact = torch.relu(exact)
+            return torch.quantize_per_tensor(exact, self.scale, self.zero_point, self.dtype)
         if result.q_scale() != self.scale or result.q_zero_point() != self.zero_point:
             result = torch.quantize_per_tensor(
                 result.dequantize(), self.scale, self.zero_point, self.dtype
