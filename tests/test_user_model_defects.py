@@ -367,3 +367,37 @@ def test_dropout_head_lowers_in_graph_order():
         PooledDropoutHead().eval(), _batches((2, 3, 8, 8)), peer_reference=True
     )
     assert _statuses(converted)["classifier"][0] == "quantized"
+
+
+# 4. a linear written as a function (an nn.Linear subclass calling F.linear) is lowered,
+# and in a fused F.linear + F.relu its weight and bias are a weight and a bias
+class FunctionalLinearSubclass(nn.Linear):
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class FunctionalHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = FunctionalLinearSubclass(64, 32)
+        self.out = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.out(F.relu(self.hidden(x)))
+
+
+def test_functional_linear_is_lowered_like_the_module():
+    converted = assert_not_worse_than_torch_ao(FunctionalHead().eval(), _batches((4, 64)))
+    statuses = _statuses(converted)
+    assert statuses["linear"][0] == "quantized", statuses["linear"]
+    assert statuses["linear"][2].endswith("linear_relu")
+
+
+def test_fused_functional_linear_observes_its_weight_as_a_weight():
+    prepared = qcore.prepare_fx(
+        FunctionalHead().eval(), get_default_qconfig_mapping("fbgemm"), (torch.randn(4, 64),)
+    )
+    linear = next(n for n in prepared.graph.nodes if n.name == "linear")
+    weight_observer = prepared.get_submodule(linear.args[1].target)
+    assert weight_observer.dtype == torch.qint8  # not the activations' quint8
+    assert linear.args[2].op == "get_attr"  # the float bias is not observed

@@ -129,6 +129,13 @@ def annotate_with_backend_config(
     inputs and output are observed with the QConfig's activation (torch.ao's rule).
     """
     custom_calls = custom_calls or {}
+    # Which argument is the weight: a fused pattern (F.linear, F.relu) says nothing,
+    # torch.ao asks the root op's own config (F.linear: weight 1, bias 2), so does qcore.
+    op_indexes = {
+        c.pattern: c._input_type_to_index
+        for c in backend.configs
+        if c._input_type_to_index and c.pattern is not None and not isinstance(c.pattern, tuple)
+    }
     quant_configs = [c for c in backend.configs if c.dtype_configs]
     matches = find_matches(nodes, quant_configs, modules)
     annotations: dict[Node, QuantizationAnnotation] = {}
@@ -191,7 +198,8 @@ def annotate_with_backend_config(
         if reason is not None:
             continue
         decisions.append(Decision(match, qconfig, dtype_config))
-        _annotate(match, qconfig, dtype_config, tensor_nodes, annotations, spec_cache)
+        indexes = match.config._input_type_to_index or op_indexes.get(match.root.target, {})
+        _annotate(match, qconfig, dtype_config, tensor_nodes, annotations, spec_cache, indexes)
     _reuse_observed_inputs(annotations)
     return annotations, decisions, entries
 
@@ -398,14 +406,15 @@ def _annotate(
     tensor_nodes: set[Node],
     annotations: dict[Node, QuantizationAnnotation],
     cache: dict[int, QuantizationSpec],
+    input_type_to_index: Mapping[str, int],
 ) -> None:
     config = match.config
     observation = _observation_type(config, match.root, tensor_nodes)
     if observation is ObservationType.INPUT_OUTPUT_NOT_OBSERVED:
         return
     members = match.node_set
-    weight_index = config._input_type_to_index.get("weight")
-    bias_index = config._input_type_to_index.get("bias")
+    weight_index = input_type_to_index.get("weight")
+    bias_index = input_type_to_index.get("bias")
     act_spec = None
     if is_quantized_dtype(dtype_config.input_dtype) and qconfig.activation is not None:
         act_spec = _spec_from_ctr(qconfig.activation, cache)

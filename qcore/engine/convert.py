@@ -80,6 +80,59 @@ def _swap_reference_modules(gm: GraphModule, state: PreparedState) -> None:
         _set_module(gm, accepted.root_target, reference)
 
 
+_FUNCTIONAL_LINEAR = (torch.nn.functional.linear, torch._C._nn.linear)
+
+
+def _constant_of(gm: GraphModule, node: Any) -> torch.Tensor | None:
+    if not isinstance(node, Node) or node.op != "get_attr":
+        return None
+    owner_name, _, name = node.target.rpartition(".")
+    value = getattr(gm.get_submodule(owner_name) if owner_name else gm, name, None)
+    return value.detach() if isinstance(value, torch.Tensor) else None
+
+
+def _functional_linears_to_modules(gm: GraphModule, state: PreparedState) -> None:
+    """``F.linear(x, w, b)`` on constant weights becomes a ReferenceModule around an
+    ``nn.Linear``, so the backend's linear kernels take it as they take the module
+    (an ``nn.Linear`` subclass whose forward calls ``F.linear`` traces this way)."""
+    accepted = {a.root_name for a in state.accepted if a.root_op == "call_function"}
+    modules = dict(gm.named_modules(remove_duplicate=False))
+    for node in list(gm.graph.nodes):
+        if node.name not in accepted or node.target not in _FUNCTIONAL_LINEAR:
+            continue
+        args = list(node.args) + [None] * (3 - len(node.args))
+        x, observed_weight, bias_node = args[0], args[1], node.kwargs.get("bias", args[2])
+        observer = modules.get(getattr(observed_weight, "target", None))
+        weight = _constant_of(gm, getattr(observed_weight, "args", (None,))[0])
+        bias_observer = modules.get(getattr(bias_node, "target", None))
+        if bias_observer is not None:  # a float bias may be observed (not quantized)
+            if is_quantized_dtype(getattr(bias_observer, "dtype", torch.float)):
+                continue
+            bias_node = bias_node.args[0]
+        bias = _constant_of(gm, bias_node)
+        if observer is None or weight is None or weight.dim() != 2:
+            continue
+        if bias_node is not None and bias is None:
+            continue
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+            if bias is not None:
+                linear.bias.copy_(bias)
+        qparams = qparams_of(observer, full_range=True)
+        name = _free_name(gm, f"{node.name}_linear")
+        gm.add_submodule(name, ReferenceModule(linear, {"weight": qparams}, torch.nn.Linear))
+        node.op, node.target, node.args, node.kwargs = "call_module", name, (x,), {}
+
+
+def _free_name(gm: GraphModule, base: str) -> str:
+    name, index = base, 0
+    while hasattr(gm, name):
+        index += 1
+        name = f"{base}_{index}"
+    return name
+
+
 def _qparams_constants(qparams: QParams) -> tuple:
     scale = float(qparams.scale.reshape(-1)[0]) if qparams.scale.numel() == 1 else qparams.scale
     zero_point = (
@@ -141,6 +194,7 @@ def convert_to_reference(prepared: GraphModule, *, full_range: bool = True) -> G
     gm = copy.deepcopy(prepared)
     gm.eval()
     _swap_reference_modules(gm, state)
+    _functional_linears_to_modules(gm, state)
     modules = dict(gm.named_modules(remove_duplicate=False))
     observer_names = set(state.observer_names)
     for node in list(gm.graph.nodes):
