@@ -46,10 +46,12 @@ __all__ = [
     "fake_quantize_per_tensor",
     "quantize_per_channel",
     "quantize_per_tensor",
+    "STORAGE_DTYPES",
     "storage_dtype",
 ]
 
-_STORAGE = {
+#: quantized or plain dtype -> the plain dtype its values are stored in.
+STORAGE_DTYPES = {
     torch.quint8: torch.uint8,
     torch.qint8: torch.int8,
     torch.qint32: torch.int32,
@@ -61,7 +63,7 @@ _STORAGE = {
 }
 # torch.uint16 exists from torch 2.3.
 if hasattr(torch, "uint16"):
-    _STORAGE[torch.uint16] = torch.uint16
+    STORAGE_DTYPES[torch.uint16] = torch.uint16
 
 
 def _f32(value: float) -> float:
@@ -79,9 +81,9 @@ _SMALL_SCALE_THRESHOLD = _f32(6.1e-5)
 def storage_dtype(dtype: torch.dtype) -> torch.dtype:
     """The plain integer dtype holding values of ``dtype`` (``quint8`` -> ``uint8``)."""
     try:
-        return _STORAGE[dtype]
+        return STORAGE_DTYPES[dtype]
     except KeyError:
-        known = ", ".join(sorted(str(d) for d in _STORAGE))
+        known = ", ".join(sorted(str(d) for d in STORAGE_DTYPES))
         raise ValueError(f"cannot quantize to {dtype}; expected one of {known}") from None
 
 

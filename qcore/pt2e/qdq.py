@@ -32,6 +32,7 @@ import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed)
 from torch.fx import GraphModule, Node
 
+from qcore import ops
 from qcore.engine.backend_annotator import is_quantized_dtype
 from qcore.engine.observe import DerivedObserver
 
@@ -39,20 +40,12 @@ __all__ = ["QUANTIZE_OPS", "fold_quantized_constants", "replace_observer"]
 
 qd = torch.ops.quantized_decomposed
 
+# The plain dtype holding each quantized dtype's values; float8 holds itself.
 _UNDERLYING = {
-    torch.quint8: torch.uint8,
-    torch.qint8: torch.int8,
-    torch.qint32: torch.int32,
-    torch.quint4x2: torch.uint8,
-    torch.uint8: torch.uint8,
-    torch.int8: torch.int8,
-    torch.int16: torch.int16,
-    torch.int32: torch.int32,
+    **ops.STORAGE_DTYPES,
     torch.float8_e5m2: torch.float8_e5m2,
     torch.float8_e4m3fn: torch.float8_e4m3fn,
 }
-if hasattr(torch, "uint16"):
-    _UNDERLYING[torch.uint16] = torch.uint16
 
 _PER_CHANNEL = (
     torch.per_channel_affine,
