@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from backends import FIRST_PARTY, backend_params
+from backends import FIRST_PARTY, backend_params, installed
 from test_pt2e_api import OwnQuantizer  # every linear in uint8 x int8, no plugin needed
 from torch import nn
 from zoo import ZOO
@@ -120,6 +120,7 @@ def test_prepare_leaves_the_users_exported_guard_alone():
         prepared(torch.randn(5, 16))
 
 
+@pytest.mark.skipif(not installed("x86"), reason="needs the x86 plugin")
 @pytest.mark.parametrize("lower", [True, False], ids=["lowered", "reference"])
 def test_lstm_exported_with_a_free_batch_loads_back(lower):
     # Its graph builds the initial states with aten.zeros([2, sym_size(x, 0), 64]):

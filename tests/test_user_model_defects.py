@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from backends import backend_params, requires_fbgemm
+from backends import backend_params, installed, requires_fbgemm
 from torch import nn
 from torch.ao.quantization import (
     QConfigMapping,
@@ -299,6 +299,7 @@ def test_dynamic_functional_linear_without_calibration():
 
 
 # 13. a config may accept symmetric qint8 activations; torch's int8 conv/linear take quint8
+@pytest.mark.skipif(not installed("qnnpack"), reason="qnnpack's config accepts qint8 activations")
 @pytest.mark.parametrize("backend", backend_params(("qnnpack", "native")))
 def test_qint8_activations_stay_in_reference_form_with_a_reason(backend):
     from torch.ao.quantization.qconfig import default_symmetric_qnnpack_qconfig
@@ -334,6 +335,7 @@ class ReusedResidual(nn.Module):
         return z + y
 
 
+@pytest.mark.skipif(not installed("onednn"), reason="the fused conv + add is onednn's")
 @pytest.mark.parametrize("backend", backend_params(("onednn", "native")))
 def test_reused_residual_survives_the_fused_conv_add(backend):
     model, data = ReusedResidual().eval(), _batches((2, 4, 8, 8))

@@ -252,6 +252,8 @@ def _prepare_graph(
 
 
 def _prepare(model: Any, quantizer: Any, is_qat: bool) -> GraphModule:
+    if not isinstance(model, (GraphModule, torch.export.ExportedProgram)):
+        as_exported_module(model, require_export=True)  # the model's error comes first
     chosen, backend_name, kernels = resolve_quantizer(quantizer, is_qat)
     foreign = isinstance(chosen, ForeignQuantizer)
     gm = quiet_deepcopy(as_exported_module(model, require_export=not foreign))
