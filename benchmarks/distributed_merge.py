@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import socket
 import statistics
 import time
@@ -23,21 +22,11 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _machine import cpu_model  # noqa: E402
 from torch import nn
 
 import qcore
 from qcore.observers import MinMaxObserver, default_per_channel_weight_observer
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 class DeepMLP(nn.Module):

@@ -29,6 +29,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from _machine import cpu_model  # noqa: E402
 from torch import nn
 
 import qcore
@@ -38,17 +39,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from zoo import ZOO  # noqa: E402
 from zoo.baseline import _quiet, convert_fx, prepare_fx, quantized_engine  # noqa: E402
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine() -> str:

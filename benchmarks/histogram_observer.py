@@ -8,25 +8,14 @@ histogram, same qparams checked), and the CPU model. Not a test: timings vary.
 
 from __future__ import annotations
 
-import platform
 import time
 import warnings
 
 import torch
+from _machine import cpu_model  # noqa: E402
 from torch.ao.quantization.observer import HistogramObserver as TorchAOHistogramObserver
 
 from qcore.observers import HistogramObserver
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def conv_activations(gen: torch.Generator) -> list[list[torch.Tensor]]:

@@ -13,6 +13,8 @@ import statistics
 import subprocess
 import sys
 
+from _machine import cpu_model  # noqa: E402
+
 TORCH_ONLY = "import time; t=time.perf_counter(); import torch; print(time.perf_counter()-t)"
 WITH_QCORE = (
     "import time; t=time.perf_counter(); import torch; t1=time.perf_counter(); "
@@ -23,17 +25,6 @@ WITH_QCORE = (
 def sample(code: str) -> list[float]:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return [float(value) for value in out.stdout.split()]
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def main() -> None:

@@ -17,13 +17,12 @@ import argparse
 import io
 import os
 import platform
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
 import torch
+from _machine import cpu_model, round_medians  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -43,47 +42,10 @@ BATCHES = (1, 32)
 CONV_NETS = ("resnet18_like", "mobilenetv2_like")
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def latencies_ms(models: dict, inputs: tuple, rounds: int = 9, block_seconds: float = 0.05):
-    """Per model, milliseconds of one call: the models are timed in interleaved rounds
-    (a block of calls each, its median), and the fastest round counts, so a burst of
-    load from other processes hits one round of every model, not one model."""
-    with torch.no_grad():
-        calls = {}
-        for name, model in models.items():
-            for _ in range(3):
-                model(*inputs)  # warmup
-            start = time.perf_counter()
-            model(*inputs)
-            once = time.perf_counter() - start
-            calls[name] = max(3, min(200, int(block_seconds / max(once, 1e-6))))
-        best = {name: float("inf") for name in models}
-        names = list(models)
-        for round_index in range(rounds):
-            # rotate the order: a model following float pays for the float kernels'
-            # spinning OpenMP threads, which contend with qnnpack's own thread pool
-            shift = round_index % len(names)
-            for name in names[shift:] + names[:shift]:
-                model = models[name]
-                for _ in range(2):
-                    model(*inputs)  # settle the threads after the previous model
-                times = []
-                for _ in range(calls[name]):
-                    start = time.perf_counter()
-                    model(*inputs)
-                    times.append(time.perf_counter() - start)
-                best[name] = min(best[name], statistics.median(times))
-    return {name: 1000 * value for name, value in best.items()}
+    """Per model, milliseconds of one call: the fastest of interleaved rounds."""
+    medians = round_medians(models, inputs, rounds, block_seconds, most_calls=200)
+    return {name: 1000 * min(values) for name, values in medians.items()}
 
 
 def size_kb(model) -> float:

@@ -22,7 +22,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
+from _machine import cpu_model, round_medians  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -48,44 +48,12 @@ from realmodels.models import BUILDERS, MODELS  # noqa: E402
 THREADS = 2
 
 
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (platform's guess elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def latencies_ms(
     models: dict[str, Callable], inputs: tuple, rounds: int, block_seconds: float = 0.05
 ) -> dict[str, float]:
-    """Milliseconds per call of each model: interleaved rounds (the order alternates), a
-    block of calls per model per round, its median; the median over the rounds."""
-    with torch.no_grad():
-        calls = {}
-        for name, model in models.items():
-            for _ in range(3):
-                model(*inputs)  # warmup
-            start = time.perf_counter()
-            model(*inputs)
-            once = time.perf_counter() - start
-            calls[name] = max(3, min(100, int(block_seconds / max(once, 1e-6))))
-        per_round: dict[str, list[float]] = {name: [] for name in models}
-        names = list(models)
-        for index in range(rounds):
-            for name in names if index % 2 == 0 else names[::-1]:
-                model = models[name]
-                model(*inputs)  # settle after the other model
-                times = []
-                for _ in range(calls[name]):
-                    start = time.perf_counter()
-                    model(*inputs)
-                    times.append(time.perf_counter() - start)
-                per_round[name].append(statistics.median(times))
-    return {name: 1000 * statistics.median(values) for name, values in per_round.items()}
+    """Milliseconds per call of each model: the median of interleaved rounds."""
+    medians = round_medians(models, inputs, rounds, block_seconds, most_calls=100)
+    return {name: 1000 * statistics.median(values) for name, values in medians.items()}
 
 
 def measure(model: str, path: str, backend: str, rounds: int) -> tuple[CaseResult, dict]:

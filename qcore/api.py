@@ -30,7 +30,6 @@ from qcore.config.qconfig import as_qconfig_mapping
 from qcore.engine.constants import observe_constants
 from qcore.engine.convert import convert_to_reference, state_of
 from qcore.engine.custom_config import (
-    CustomConfig,
     UnsupportedSetting,
     as_custom_config,
     copy_preserved,
@@ -255,22 +254,34 @@ def _check_same_backend(prepared: GraphModule, backend_config: Any) -> None:
         )
 
 
-def _convert_settings(
-    prepared: GraphModule, convert_custom_config: Any, qconfig_mapping: Any, backend_config: Any
-) -> CustomConfig:
+def _convert(
+    prepared: GraphModule,
+    convert_custom_config: Any,
+    remove_qconfig: bool,
+    qconfig_mapping: Any,
+    backend_config: Any,
+    *,
+    to_kernels: bool,
+) -> GraphModule:
+    """convert_fx and convert_to_reference_fx: the reference form, custom modules
+    swapped, lowered to the backend's kernels when ``to_kernels``."""
     _check_same_backend(prepared, backend_config)
-    observe_constants(prepared)
     if qconfig_mapping is not None:
         raise UnsupportedSetting(
             f"qconfig_mapping: got {describe(qconfig_mapping)}; changing QConfigs at convert is "
             "not supported: pass the mapping you want to prepare_fx"
         )
-    return as_custom_config(convert_custom_config, "convert_custom_config")
-
-
-def _finish(
-    prepared: GraphModule, converted: GraphModule, settings: CustomConfig, remove_qconfig: bool
-) -> GraphModule:
+    settings = as_custom_config(convert_custom_config, "convert_custom_config")
+    state = state_of(prepared)
+    observe_constants(prepared)
+    converted = convert_to_reference(prepared)
+    custom = swap_quantized(prepared, converted, state.custom_calls, settings)
+    lowered: set[str] = set()
+    if to_kernels:
+        kernels = state.kernels + custom_kernels(custom, state.backend_name)
+        converted = lower(converted, kernels, state.backend_name)
+        lowered = {entry.node for entry in explain(converted).quantized}
+    quantize_inputs_for(converted, custom, skip=lowered)
     if remove_qconfig:  # torch.ao's _remove_qconfig: the converted model carries none
         for module in converted.modules():
             module.__dict__.pop("qconfig", None)
@@ -291,15 +302,14 @@ def convert_fx(
     The arguments are torch.ao's: ``convert_custom_config`` (preserved attributes,
     custom module classes), ``backend_config`` (must be the prepare backend).
     """
-    settings = _convert_settings(prepared, convert_custom_config, qconfig_mapping, backend_config)
-    state = state_of(prepared)
-    reference = convert_to_reference(prepared)
-    custom = swap_quantized(prepared, reference, state.custom_calls, settings)
-    kernels = state.kernels + custom_kernels(custom, state.backend_name)
-    converted = lower(reference, kernels, state.backend_name)
-    lowered = {entry.node for entry in explain(converted).quantized}
-    quantize_inputs_for(converted, custom, skip=lowered)
-    return _finish(prepared, converted, settings, _remove_qconfig)
+    return _convert(
+        prepared,
+        convert_custom_config,
+        _remove_qconfig,
+        qconfig_mapping,
+        backend_config,
+        to_kernels=True,
+    )
 
 
 def convert_to_reference_fx(
@@ -311,11 +321,14 @@ def convert_to_reference_fx(
 ) -> GraphModule:
     """Convert to the reference representation (quantize -> dequantize -> float op
     -> quantize) without lowering to kernels. Arguments as :func:`convert_fx`."""
-    settings = _convert_settings(prepared, convert_custom_config, qconfig_mapping, backend_config)
-    reference = convert_to_reference(prepared)
-    custom = swap_quantized(prepared, reference, state_of(prepared).custom_calls, settings)
-    quantize_inputs_for(reference, custom, skip=set())
-    return _finish(prepared, reference, settings, _remove_qconfig)
+    return _convert(
+        prepared,
+        convert_custom_config,
+        _remove_qconfig,
+        qconfig_mapping,
+        backend_config,
+        to_kernels=False,
+    )
 
 
 def fuse_fx(

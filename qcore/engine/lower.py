@@ -129,6 +129,7 @@ class _Lowering:
     def __init__(self, gm: GraphModule, kernels: tuple, backend: str) -> None:
         self.gm, self.graph, self.kernels, self.backend = gm, gm.graph, kernels, backend
         self.modules = dict(gm.named_modules(remove_duplicate=False))
+        self._calls_per_module = Counter(n.target for n in gm.graph.nodes if n.op == "call_module")
         # float node (a dequantize qcore inserted) -> (quantized node, its qparams)
         self.float_of: dict[Node, tuple[Node, ActivationQParams]] = {}
         self.quantized: dict[tuple, Node] = {}  # (float node, qparams) -> quantize node
@@ -276,10 +277,6 @@ class _Lowering:
         root.op, root.target = "call_module", name
 
     def _called_elsewhere(self, root: Node) -> bool:
-        if not hasattr(self, "_calls_per_module"):
-            self._calls_per_module = Counter(
-                node.target for node in self.gm.graph.nodes if node.op == "call_module"
-            )
         if self._calls_per_module[root.target] > 1:
             self._calls_per_module[root.target] -= 1  # this call moves to a module of its own
             return True
