@@ -27,6 +27,7 @@ from torch.fx import GraphModule
 from qcore.config import BackendConfig
 from qcore.config.errors import describe
 from qcore.config.qconfig import as_qconfig_mapping
+from qcore.engine.boundaries import quantize_boundaries
 from qcore.engine.constants import observe_constants
 from qcore.engine.convert import convert_to_reference, state_of
 from qcore.engine.custom_config import (
@@ -282,6 +283,7 @@ def _convert(
         converted = lower(converted, kernels, state.backend_name)
         lowered = {entry.node for entry in explain(converted).quantized}
     quantize_inputs_for(converted, custom, skip=lowered)
+    quantize_boundaries(converted, state.quantized_inputs, state.quantized_outputs)
     if remove_qconfig:  # torch.ao's _remove_qconfig: the converted model carries none
         for module in converted.modules():
             module.__dict__.pop("qconfig", None)

@@ -201,6 +201,46 @@ def test_non_traceable_module_swapped_for_its_dynamic_class():
     assert (converted(x) - model(x)).abs().max() < 0.05
 
 
+# -- quantized inputs and outputs ----------------------------------------------------------
+
+
+def _boundary_models(config):
+    model, x = TwoLinears().eval(), torch.randn(8, 4)
+    plain = _calibrated(qcore.prepare_fx(model, default_qconfig_mapping(), (x,), "fbgemm"), x)
+    edged = _calibrated(
+        qcore.prepare_fx(model, default_qconfig_mapping(), (x,), "fbgemm", config), x
+    )
+    return plain, edged, x
+
+
+@pytest.mark.parametrize("convert", [qcore.convert_fx, qcore.convert_to_reference_fx])
+def test_output_quantized_indexes_return_the_int8_tensor(convert):
+    plain, edged, x = _boundary_models({"output_quantized_idxs": [0]})
+    expected, got = convert(plain)(x), convert(edged)(x)
+    assert got.dtype == torch.quint8
+    assert torch.equal(got.dequantize(), expected)
+
+
+@pytest.mark.parametrize("convert", [qcore.convert_fx, qcore.convert_to_reference_fx])
+def test_input_quantized_indexes_take_a_quantized_tensor(convert):
+    plain, edged, x = _boundary_models({"input_quantized_idxs": [0]})
+    scale, zero_point = plain.activation_post_process_0.calculate_qparams()
+    quantized_x = torch.quantize_per_tensor(x, float(scale), int(zero_point), torch.quint8)
+    model = convert(edged)
+    assert torch.equal(model(quantized_x), convert(plain)(x))
+    assert torch.equal(model(x), convert(plain)(x))  # a float input passes too
+
+
+def test_an_output_that_is_not_quantized_cannot_leave_as_int8():
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.Softplus()).eval(), torch.randn(8, 4)
+    config = {"output_quantized_idxs": [0]}
+    prepared = _calibrated(
+        qcore.prepare_fx(model, default_qconfig_mapping(), (x,), "fbgemm", config), x
+    )
+    with pytest.raises(UnsupportedSetting, match="output_quantized_indexes: output 0 is not"):
+        qcore.convert_fx(prepared)
+
+
 # -- refused, by name ------------------------------------------------------------------------
 
 

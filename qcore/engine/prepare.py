@@ -69,6 +69,9 @@ class PreparedState:
     front_door: str = "fx"
     custom_calls: tuple[CustomCall, ...] = ()
     """Custom and non-traceable module calls with a QConfig (convert may swap them)."""
+    quantized_inputs: tuple[int, ...] = ()
+    quantized_outputs: tuple[int, ...] = ()
+    """Graph inputs and outputs that are torch quantized tensors once converted."""
 
 
 def _tensor_nodes(gm: GraphModule, example_inputs: tuple) -> set[Node]:
@@ -195,6 +198,8 @@ def prepare(
         tuple(Accepted.of(decision) for decision in decisions),
         tuple(plan.points_of_observer),
         custom_calls=tuple(custom_calls.values()),
+        quantized_inputs=custom_config.input_quantized_indexes,
+        quantized_outputs=custom_config.output_quantized_indexes,
     )
     gm.meta[STATE_KEY] = state
     report = Report(backend_name, [entries[n.name] for n in gm.graph.nodes])
