@@ -113,6 +113,7 @@ _SHARED_QPARAMS_OPS = (
     nn.AvgPool1d,
     nn.AvgPool2d,
     nn.AvgPool3d,
+    nn.ChannelShuffle,
     nn.Hardtanh,
     nn.Identity,
     nn.MaxPool1d,
@@ -139,6 +140,7 @@ _SHARED_QPARAMS_OPS = (
     torch.avg_pool1d,
     torch._C._nn.avg_pool2d,
     torch._C._nn.avg_pool3d,
+    torch.channel_shuffle,  # also F.channel_shuffle
     torch.clamp,
     torch.flatten,
     torch.mean,

@@ -92,6 +92,8 @@ def fuse_graph(
         root = match.root if match.config._root_node_getter is not None else match.nodes[-1]
         if root.op != "call_module":
             continue
+        getter = match.config._extra_inputs_getter
+        extra_inputs = list(getter(match.nested)) if getter is not None else []
         if match.config.pattern is not None:
             parts = [_as_module(node, modules) for node in reversed(match.nodes)]
             if any(part is None for part in parts):
@@ -102,9 +104,8 @@ def fuse_graph(
             nested = _nested_modules(match.nested, pattern, modules)
             fused = match.config.fuser_method(is_qat, *nested)
         _set_module(gm, root.target, fused)
-        getter = match.config._extra_inputs_getter
-        if getter is not None:
-            root.args = (*root.args, *getter(match.nested))
+        if extra_inputs:
+            root.args = (*root.args, *extra_inputs)
             match.output.prepend(root)  # after the extra inputs, before any use
         # The root node becomes the fused module's node: it keeps its name,
         # which is the name explain and the user know it by.

@@ -108,6 +108,27 @@ def _match_chain(chain: tuple, root: Node, modules: dict) -> list[Node] | None:
     return nodes
 
 
+def _operands(node: Node) -> list[Node]:
+    """The nodes ``node`` takes, in argument order, once per use: ``x + x`` has two
+    operands (``all_input_nodes`` would give one)."""
+    found: list[Node] = []
+    map_arg((node.args, node.kwargs), found.append)
+    return found
+
+
+_SHAPE_ATTRIBUTES = ("shape", "ndim")
+_SHAPE_METHODS = ("size", "dim", "numel")
+
+
+def _is_shape_query(user: Node, tensor: Node) -> bool:
+    """``tensor.shape``/``.ndim``/``.size()``/``.dim()``/``.numel()``: the same on int8."""
+    if user.op == "call_function" and user.target is getattr:
+        return user.args[0] is tensor and user.args[1] in _SHAPE_ATTRIBUTES
+    if user.op == "call_method" and user.target in _SHAPE_METHODS:
+        return user.args[0] is tensor and all(a is not tensor for a in user.args[1:])
+    return False
+
+
 def _check_activation_dtypes(kernel: Any, match: KernelMatch) -> None:
     """Refuse a match whose quantized activations the kernel does not take."""
     accepted = {ops.storage_dtype(dtype) for dtype in getattr(kernel, "activation_dtypes", ())}
@@ -193,7 +214,7 @@ class _Lowering:
     def _describe(self, kernel: Any, chain: list[Node]) -> tuple[KernelMatch, Node | None]:
         root, last = chain[0], chain[-1]
         inputs, dynamic, float_inputs = [], [], 0
-        for arg in root.all_input_nodes:
+        for arg in _operands(root):
             if arg in self.float_of:
                 inputs.append(self.float_of[arg][1])
             elif _is_call(arg, ops.dequantize_per_tensor):
@@ -384,6 +405,14 @@ class _Lowering:
         self.inserted.update((dequantized, requantized))
         return requantized
 
+    def read_shapes_from_int8(self) -> None:
+        """A shape query on a kernel's output reads the int8 tensor: the float copy
+        a ``dequantize`` would make only for it is never computed."""
+        for dequantized, (quantized, _) in self.float_of.items():
+            for user in list(dequantized.users):
+                if _is_shape_query(user, dequantized):
+                    user.replace_input_with(dequantized, quantized)
+
     def _publish(self, node: Node, quantize: Node, qparams: ActivationQParams) -> None:
         """``node`` (a torch quantized tensor) replaces the reference's quantize/dequantize."""
         with self.graph.inserting_after(node):
@@ -399,6 +428,7 @@ def lower(gm: GraphModule, kernels: tuple, backend: str) -> GraphModule:
     quiet_quantized_tensors()
     lowering = _Lowering(gm, kernels, backend)
     lowering.run()
+    lowering.read_shapes_from_int8()
     gm.graph.eliminate_dead_code()
     lowering.qparams_to_buffers()
     for node in gm.graph.nodes:

@@ -54,7 +54,9 @@ def match_pattern(
     """
     op, arg_patterns = (pattern[0], pattern[1:]) if isinstance(pattern, tuple) else (pattern, ())
     if is_match_all(op):
-        return node
+        # Any graph value, never a Python constant: `conv(x) + 3` is not a conv-add
+        # with a residual (it is conv, then add_scalar).
+        return node if isinstance(node, Node) else None
     if not isinstance(node, Node) or not _op_matches(node, op, modules):
         return None
     if not is_output and len(node.users) > 1:

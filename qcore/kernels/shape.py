@@ -31,6 +31,8 @@ SELECTING_PATTERNS = (
     torch.nn.PixelUnshuffle,
     F.pixel_shuffle,
     F.pixel_unshuffle,
+    torch.nn.ChannelShuffle,
+    torch.channel_shuffle,
     torch.nn.Identity,
     torch.nn.Dropout,
     F.dropout,
@@ -62,6 +64,7 @@ SELECTING_PATTERNS = (
     aten.view.default,
     aten.permute.default,
     aten.transpose.int,
+    aten.channel_shuffle.default,
 )
 
 AVERAGING_PATTERNS = (

@@ -93,6 +93,7 @@ def _table() -> dict[Any, tuple]:
     put((aten.layer_norm,), nn.LayerNorm, F.layer_norm)
     put((aten.dropout,), nn.Dropout, F.dropout)
     put((aten.pixel_shuffle,), nn.PixelShuffle, F.pixel_shuffle)
+    put((aten.channel_shuffle,), nn.ChannelShuffle, torch.channel_shuffle)
     put((aten.upsample_nearest2d, aten.upsample_bilinear2d), F.interpolate)
     put((aten.contiguous,), "contiguous")
     put((aten.embedding,), nn.Embedding, F.embedding)

@@ -1,0 +1,96 @@
+"""Regression tests for what the peers' own suites found (tests/peer_suite).
+
+Each is a model from a torch.ao FX test that qcore quantized differently from
+torch.ao, checked here the way a user would: which ops run on int8 kernels, and
+that the numbers equal the reference form's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backends import backend_params, installed
+from torch import nn
+from torch.ao.quantization import default_qconfig
+
+import qcore
+
+
+def _converted(model: nn.Module, x: torch.Tensor, backend: str, reference: bool = False):
+    prepared = qcore.prepare_fx(model.eval(), {"": default_qconfig}, (x,), backend)
+    with torch.no_grad():
+        prepared(x)
+    return (qcore.convert_to_reference_fx if reference else qcore.convert_fx)(prepared)
+
+
+def _calls(model: torch.fx.GraphModule, op: str, target) -> int:
+    return sum(1 for n in model.graph.nodes if n.op == op and n.target == target)
+
+
+class SelfAdd(nn.Module):
+    def forward(self, x):
+        return torch.channel_shuffle(x + x, 2) + x
+
+
+class ChannelShuffleModule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shuffle = nn.ChannelShuffle(2)
+
+    def forward(self, x):
+        return self.shuffle(x + x) + x
+
+
+@pytest.mark.parametrize("backend", backend_params(("fbgemm", "x86", "qnnpack", "native")))
+@pytest.mark.parametrize("model", [SelfAdd(), ChannelShuffleModule()], ids=type)
+def test_x_plus_x_and_channel_shuffle_run_on_int8(backend, model):
+    x = torch.randn(4, 4, 4, 4)
+    converted = _converted(model, x, backend)
+    report = qcore.explain(converted)
+    assert not report.reference, report  # `x + x` used to be refused: one operand seen
+    assert not report.float, report  # channel_shuffle used to stay float
+    assert _calls(converted, "call_function", torch.quantize_per_tensor) == 1
+    assert _calls(converted, "call_method", "dequantize") == 1
+    expected = _converted(model, x, backend, reference=True)(x)
+    assert torch.equal(converted(x), expected)
+
+
+class ConvPlusNumber(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3)
+
+    def forward(self, x):
+        return self.conv(x) + 3
+
+
+@pytest.mark.parametrize("backend", backend_params(("onednn", "native")))
+def test_conv_plus_a_number_is_not_a_conv_add(backend):
+    """onednn's conv-add fusion took `conv(x) + 3` for a residual add (its
+    MatchAllNode matched the constant 3); the fused module then had no kernel."""
+    model, x = ConvPlusNumber(), torch.randn(2, 3, 8, 8)
+    converted = _converted(model, x, backend)
+    report = qcore.explain(converted)
+    assert [e.op for e in report.quantized] == ["Conv2d", "add"], report
+    assert torch.equal(converted(x), _converted(model, x, backend, reference=True)(x))
+
+
+class ShapeBetweenConvs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 2, 2)
+        self.conv2 = nn.Conv2d(2, 2, 2)
+
+    def forward(self, x):
+        x = self.conv1(x)
+        torch._assert(x.shape == x.size(), "")
+        return self.conv2(x)
+
+
+@pytest.mark.skipif(not installed("fbgemm"), reason="needs the fbgemm plugin")
+def test_a_shape_query_reads_the_int8_tensor():
+    """`x.shape` on a kernel's output used to dequantize the whole tensor for it."""
+    model, x = ShapeBetweenConvs(), torch.randn(2, 2, 4, 4)
+    converted = _converted(model, x, "fbgemm")
+    assert _calls(converted, "call_method", "dequantize") == 1  # the output's only
+    assert torch.equal(converted(x), _converted(model, x, "fbgemm", True)(x))
