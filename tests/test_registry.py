@@ -11,6 +11,7 @@ import torch
 
 import qcore
 from qcore import BackendPatternConfig, DTypeConfig, ObservationType, hookimpl
+from qcore.config.errors import ConfigError
 from qcore.plugin import BackendRegistry, PluginState
 from qcore.plugin.discovery import PluginSpec, find_entry_point_plugins
 
@@ -152,9 +153,33 @@ def test_several_plugins_serving_one_backend_are_united():
     )
     backend = registry(second, first).get("x86")
     (config,) = backend.config.configs
-    assert config.dtype_configs == [FP16, INT8]
-    assert config.root_module is torch.nn.Linear  # unset in the first source: filled in
+    # The backend's owner (qcore-x86) comes first, though qcore-a-vendor sorts before it.
+    assert [p.spec.distribution for p in backend.plugins] == ["qcore-x86", "qcore-a-vendor"]
+    assert config.dtype_configs == [INT8, FP16]
+    assert config.root_module is torch.nn.Linear
     assert backend.conflicts == ()
+
+
+def test_a_vendor_extension_cannot_override_the_owner():
+    def fuse(is_qat, conv, relu):
+        return torch.nn.Sequential(conv, relu)
+
+    conv_relu = (torch.nn.Conv2d, torch.nn.ReLU)
+    vendor_config = BackendPatternConfig(conv_relu).set_fuser_method(fuse)
+    vendor = spec("x86", "qcore-aaa", plugin_module("aaa", [vendor_config]))
+    owner = spec(
+        "x86",
+        "qcore-x86",
+        plugin_module("x86", [BackendPatternConfig(conv_relu).set_fuser_method(fuse_owner)]),
+    )
+    backend = registry(vendor, owner).get("x86")
+    assert backend.config.configs[0].fuser_method is fuse_owner
+    (conflict,) = backend.conflicts
+    assert (conflict.kept_source, conflict.ignored_source) == ("qcore-x86:x86", "qcore-aaa:x86")
+
+
+def fuse_owner(is_qat, conv, relu):
+    return torch.ao.nn.intrinsic.ConvReLU2d(conv, relu)
 
 
 def test_native_union_and_conflict_rule():
@@ -186,12 +211,22 @@ def test_get_backend_config_returns_a_copy():
 
 
 def test_default_qconfig_mapping_first_answer_wins():
-    def mapping(answer):
-        return lambda backend, is_qat: (answer, is_qat)
+    answers = {}
+
+    def mapping(label):
+        def hook(backend, is_qat):
+            answers[label] = is_qat
+            return MAPPINGS[label]
+
+        return hook
 
     a = spec("x", "qcore-a", plugin_module("a", [], qcore_default_qconfig_mapping=mapping("a")))
     b = spec("x", "qcore-b", plugin_module("b", [], qcore_default_qconfig_mapping=mapping("b")))
-    assert registry(b, a).get("x").default_qconfig_mapping(is_qat=True) == ("a", True)
+    assert registry(b, a).get("x").default_qconfig_mapping(is_qat=True) is MAPPINGS["a"]
+    assert answers == {"a": True}
+
+
+MAPPINGS = {"a": qcore.QConfigMapping(), "b": qcore.QConfigMapping()}
 
 
 class FakeDist:
@@ -213,3 +248,180 @@ def test_entry_points_are_sorted_and_deduplicated(monkeypatch):
     monkeypatch.setattr(importlib_metadata, "entry_points", lambda group: found)
     names = [(s.backend, s.distribution) for s in find_entry_point_plugins()]
     assert names == [("fbgemm", "qcore-fbgemm"), ("x86", "qcore-x86"), ("x86", "qcore-zz")]
+
+
+# -- issue 14 section 3: plugins are isolated, whatever they do ------------------
+
+
+class CarelessSDKError(BaseException):
+    """Neither an Exception nor SystemExit."""
+
+
+@pytest.mark.parametrize("raised", [SystemExit(3), CarelessSDKError("sdk"), GeneratorExit()])
+def test_any_base_exception_at_import_is_contained(raised):
+    good = spec("good", "qcore-good", plugin_module("good", [linear(INT8)]))
+    bad = spec("bad", "qcore-bad", error=raised)
+    reg = registry(bad, good)
+    with pytest.raises(qcore.BackendLoadError, match="qcore-bad:bad") as error:
+        reg.get("bad")
+    assert error.value.__cause__ is raised
+    assert reg.plugins()[0].state is PluginState.FAILED
+    with pytest.warns(qcore.QCoreWarning, match="leaves out backends that failed to load: bad"):
+        native = reg.get("native")
+    assert len(native.config) == 1 and native.left_out[0][0] == "bad"
+
+
+@pytest.mark.parametrize("raised", [SystemExit(3), CarelessSDKError("sdk")])
+def test_any_base_exception_in_a_hook_is_contained(raised):
+    bad = spec("bad", "qcore-bad", plugin_module("bad", raises=raised))
+    good = spec("good", "qcore-good", plugin_module("good", [linear(INT8)]))
+    reg = registry(bad, good)
+    with pytest.raises(qcore.BackendLoadError, match="raised in qcore_backend_pattern_configs"):
+        reg.get("bad")
+    assert len(reg.get("good").config) == 1
+
+
+def test_keyboard_interrupt_is_not_contained():
+    bad = spec("bad", "qcore-bad", plugin_module("bad", raises=KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        registry(bad).get("bad")
+
+
+@pytest.mark.parametrize(
+    "configs, text",
+    [
+        ([BackendPatternConfig().add_dtype_config(INT8)], "without a pattern at index 0"),
+        (42, r"returned 42 \(int\); expected a list of BackendPatternConfig or None"),
+        ({"Linear": INT8}, r"expected a list of BackendPatternConfig or None"),
+    ],
+)
+def test_an_invalid_contribution_fails_its_plugin_only(configs, text):
+    bad = spec("bad", "qcore-bad", plugin_module("bad", configs))
+    good = spec("good", "qcore-good", plugin_module("good", [linear(INT8)]))
+    reg = registry(bad, good)
+    with pytest.warns(qcore.QCoreWarning, match="leaves out backends that failed"):
+        native = reg.get("native")  # native survives, without the culprit
+    assert [name for name, _ in native.left_out] == ["bad"]
+    assert len(native.config) == 1
+    with pytest.raises(qcore.BackendLoadError, match="plugin qcore-bad:bad") as error:
+        reg.get("bad")
+    assert error.match(text)
+
+
+def test_one_module_serves_two_entry_points():
+    seen = []
+
+    def configs():
+        seen.append(len(seen))
+        return [linear(INT8)]
+
+    module = plugin_module("twin", configs)
+    reg = registry(spec("twin-a", "qcore-twin", module), spec("twin-b", "qcore-twin", module))
+    assert len(reg.get("twin-a").config) == 1
+    assert len(reg.get("twin-b").config) == 1  # was: "Plugin already registered"
+    assert seen == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "blocked", ["qcore-evil2", "QCORE_EVIL2", "qcore.evil2", "qcore-evil2:evil", "Evil"]
+)
+def test_blocked_names_are_pep503_normalized(blocked):
+    loaded = []
+    evil = spec("evil", "QCore_Evil2", error=AssertionError("imported"))
+    object.__setattr__(evil, "_loader", lambda: loaded.append(1))
+    reg = registry(evil, environ={"QCORE_BLOCK_PLUGINS": f" other , {blocked}"})
+    assert reg.plugins()[0].state is PluginState.BLOCKED
+    with pytest.raises(qcore.BackendLoadError, match="blocked by QCORE_BLOCK_PLUGINS"):
+        reg.get("evil")
+    assert loaded == []
+
+
+def test_a_plugin_slow_to_import_does_not_block_other_backends():
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def slow_load():
+        release.wait(10)
+        return plugin_module("slow", [linear(INT8)])
+
+    slow = PluginSpec("slow", "qcore-slow.plugin", "qcore-slow", "1.0", slow_load)
+    fast = spec("fast", "qcore-fast", plugin_module("fast", [linear(INT8)]))
+    reg = registry(slow, fast)
+    reg.get("fast")
+    loader = threading.Thread(target=reg.get, args=("slow",))
+    loader.start()
+    try:
+        time.sleep(0.2)  # the loader is inside the slow import now
+        answered = []
+        asker = threading.Thread(target=lambda: answered.append(reg.get("fast")))
+        asker.start()
+        asker.join(2)
+        assert answered, "get('fast') waited for another backend's plugin import"
+        assert reg.names() == ["fast", "native", "slow"]
+    finally:
+        release.set()
+        loader.join(10)
+    assert len(reg.get("slow").config) == 1
+
+
+def test_two_threads_asking_for_one_backend_load_it_once():
+    import threading
+
+    calls = []
+
+    def load():
+        calls.append(1)
+        return plugin_module("once", [linear(INT8)])
+
+    once = PluginSpec("once", "qcore-once.plugin", "qcore-once", "1.0", load)
+    reg = registry(once)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(reg.get("once"))) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert calls == [1] and len({id(backend) for backend in results}) == 1
+
+
+@pytest.mark.parametrize("answer", ["x86", {"": None}, 42])
+def test_a_bad_default_mapping_names_the_plugin(answer):
+    module = plugin_module("m", [], qcore_default_qconfig_mapping=lambda backend, is_qat: answer)
+    backend = registry(spec("m", "qcore-m", module)).get("m")
+    with pytest.raises(qcore.BackendLoadError, match="plugin qcore-m:m") as error:
+        backend.default_qconfig_mapping()
+    assert error.match(r"qcore_default_qconfig_mapping\(\) returned .*expected a QConfigMapping")
+
+
+def test_a_bad_quantizer_names_the_plugin():
+    module = plugin_module("m", [], qcore_backend_quantizer=lambda backend, is_qat: "x86")
+    backend = registry(spec("m", "qcore-m", module)).get("m")
+    with pytest.raises(qcore.BackendLoadError, match=r"plugin qcore-m:m.*expected a qcore.Quan"):
+        backend.quantizer()
+
+
+@pytest.mark.parametrize("pattern", [42, (), ("",), (torch.nn.Linear, None), [torch.nn.Linear]])
+def test_kernel_pattern_is_validated(pattern):
+    with pytest.raises(ConfigError, match=r"Kernel.pattern \(kernel 'k'\): got"):
+        qcore.Kernel(name="k", pattern=pattern, engine="x86")
+
+
+def test_a_kernel_with_a_bad_pattern_fails_its_plugin_by_name():
+    def kernels(backend):
+        return [qcore.Kernel(name="k", pattern=42, engine="x86")]
+
+    module = plugin_module("m", [linear(INT8)], qcore_backend_kernels=kernels)
+    with pytest.raises(qcore.BackendLoadError, match="qcore-m:m.*raised in qcore_backend_kernels"):
+        registry(spec("m", "qcore-m", module)).get("m")
+
+
+def test_the_load_error_says_how_to_block_a_broken_extension():
+    owner = spec("x86", "qcore-x86", plugin_module("x86", [linear(INT8)]))
+    vendor = spec("x86", "qcore-vendor", plugin_module("v", raises=RuntimeError("SDK")))
+    reg = registry(owner, vendor)
+    with pytest.raises(qcore.BackendLoadError, match="QCORE_BLOCK_PLUGINS=qcore-vendor:x86"):
+        reg.get("x86")
+    blocked = registry(owner, vendor, environ={"QCORE_BLOCK_PLUGINS": "qcore-vendor:x86"})
+    assert len(blocked.get("x86").config) == 1

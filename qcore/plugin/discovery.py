@@ -10,12 +10,16 @@ Two environment variables control autoloading, after pytest's:
   plugins registered in-process with ``qcore.register_plugin`` are used.
 * ``QCORE_BLOCK_PLUGINS=name,name``: never import these plugins. A name is a
   backend name (blocks every plugin serving it), a distribution name
-  (``qcore-x86``) or a plugin name (``qcore-x86:x86``).
+  (``qcore-x86``) or a plugin name (``qcore-x86:x86``). Names are compared
+  after PEP 503 normalization, as pip compares distribution names: case is
+  ignored and runs of ``-``, ``_`` and ``.`` are equal, so ``qcore-evil2``
+  blocks the distribution ``QCore_Evil2``.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +54,14 @@ class PluginSpec:
         return self._loader()
 
     def is_blocked_by(self, blocked: frozenset[str]) -> bool:
-        return bool({self.backend, self.distribution, self.name} & blocked)
+        """Whether a name in ``blocked`` (already normalized) names this plugin."""
+        backend, distribution = normalize(self.backend), normalize(self.distribution)
+        return bool({backend, distribution, f"{distribution}:{backend}"} & blocked)
+
+
+def normalize(name: str) -> str:
+    """``name`` PEP 503-normalized: lower case, each run of ``-``, ``_``, ``.`` one ``-``."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def autoload_disabled(environ: Mapping[str, str] = os.environ) -> bool:
@@ -58,8 +69,14 @@ def autoload_disabled(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def blocked_names(environ: Mapping[str, str] = os.environ) -> frozenset[str]:
+    """The names in ``QCORE_BLOCK_PLUGINS``, normalized (a ``dist:backend`` pair
+    is normalized on each side of the colon)."""
     raw = environ.get(BLOCK_PLUGINS_ENV, "")
-    return frozenset(part.strip() for part in raw.split(",") if part.strip())
+    return frozenset(
+        ":".join(normalize(side.strip()) for side in part.split(":", 1))
+        for part in raw.split(",")
+        if part.strip()
+    )
 
 
 def find_entry_point_plugins() -> list[PluginSpec]:

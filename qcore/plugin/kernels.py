@@ -144,6 +144,14 @@ class Kernel:
 
         if not isinstance(self.name, str) or not self.name:
             raise invalid("Kernel.name", self.name, "a non-empty str")
+        chain = self.pattern if isinstance(self.pattern, tuple) else (self.pattern,)
+        if not chain or not all(_is_pattern_op(op) for op in chain):
+            raise invalid(
+                f"Kernel.pattern (kernel {self.name!r})",
+                self.pattern,
+                "a module class, a function such as torch.add, a method name such as "
+                "'reshape', or a non-empty tuple of those in forward order",
+            )
         if not isinstance(self.engine, str) or not self.engine:
             raise invalid("Kernel.engine", self.engine, "a non-empty str such as 'fbgemm'")
         if self.lower is not None and not callable(self.lower):
@@ -159,3 +167,10 @@ class Kernel:
     def chain(self) -> tuple:
         """The pattern as a tuple in forward order."""
         return self.pattern if isinstance(self.pattern, tuple) else (self.pattern,)
+
+
+def _is_pattern_op(op: Any) -> bool:
+    """One op of a kernel's pattern: a class, a callable or a method name."""
+    if isinstance(op, str):
+        return bool(op)
+    return isinstance(op, type) or (callable(op) and not isinstance(op, tuple))

@@ -4,6 +4,12 @@ A :class:`Plugin` moves through FOUND -> LOADED, or FOUND -> FAILED with the
 exception kept; BLOCKED plugins are never imported. A :class:`Backend` is built
 the first time its name is asked for, from the plugins that serve it; one
 broken plugin fails its own backend only.
+
+Isolation: whatever a plugin raises (any BaseException but KeyboardInterrupt:
+SystemExit included) while it is imported or a hook of it runs is caught, and
+what it returns is validated inside the same guard, so the error names the
+plugin. The registry's lock is never held while a plugin runs: a plugin slow to
+import delays only the backends it serves.
 """
 
 from __future__ import annotations
@@ -13,9 +19,9 @@ import enum
 import os
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import pluggy
 
@@ -30,6 +36,7 @@ from qcore.plugin.discovery import (
     blocked_names,
     find_entry_point_plugins,
     in_process_spec,
+    normalize,
 )
 from qcore.plugin.kernels import Kernel
 from qcore.plugin.markers import PLUGIN_API_VERSION, PROJECT_NAME
@@ -44,6 +51,7 @@ __all__ = [
     "PluginAPIVersionError",
     "PluginState",
     "UnknownBackendError",
+    "owner_distribution",
 ]
 
 NATIVE = "native"
@@ -55,6 +63,8 @@ FIRST_PARTY_DISTRIBUTIONS = {
     "x86": "qcore-x86",
     "onednn": "qcore-x86",
 }
+
+T = TypeVar("T")
 
 
 class UnknownBackendError(LookupError):
@@ -87,6 +97,8 @@ class Plugin:
     state: PluginState = PluginState.FOUND
     error: BaseException | None = None
     obj: Any = None
+    failed_in: str = ""
+    """The hook whose call or answer failed; empty when loading failed."""
 
     @property
     def name(self) -> str:
@@ -98,12 +110,48 @@ class Plugin:
         return f"{type(self.error).__name__}: {self.error}"
 
 
+def owner_distribution(backend: str) -> str:
+    """The distribution that owns ``backend`` (normalized): the first-party one
+    for the backends qcore publishes (``qcore-x86`` for x86 and onednn), else
+    ``qcore-<backend>``. Its contribution ranks first (see :func:`rank_plugins`)."""
+    return normalize(FIRST_PARTY_DISTRIBUTIONS.get(backend, f"qcore-{backend}"))
+
+
+def rank_plugins(backend: str, plugins: Iterable[Plugin]) -> list[Plugin]:
+    """The plugins serving ``backend`` in the order their contributions are united:
+    the backend's owner first (:func:`owner_distribution`), then the other
+    installed distributions by (normalized) name, then in-process plugins in the
+    order they were registered. Another vendor's extension of a backend can
+    therefore add to it but never override what the owner set."""
+    owner = owner_distribution(backend)
+
+    def key(indexed: tuple[int, Plugin]) -> tuple:
+        index, plugin = indexed
+        in_process = plugin.spec.distribution == IN_PROCESS
+        distribution = normalize(plugin.spec.distribution)
+        return (distribution != owner, in_process, index if in_process else 0, distribution)
+
+    return [plugin for _, plugin in sorted(enumerate(plugins), key=key)]
+
+
+def is_first_party(backend: Backend) -> bool:
+    """Whether ``backend`` is one qcore publishes, served by its own distribution."""
+    if backend.name not in FIRST_PARTY_DISTRIBUTIONS:
+        return False
+    owner = owner_distribution(backend.name)
+    return any(normalize(plugin.spec.distribution) == owner for plugin in backend.plugins)
+
+
 @dataclass(frozen=True)
 class Backend:
     """A backend as its plugins contribute it.
 
     ``config`` is the united BackendConfig; ``conflicts`` lists the fields on
-    which contributors disagreed (see ``qcore.plugin.union``).
+    which contributors disagreed (see ``qcore.plugin.union``). ``plugins`` are
+    in the order their contributions were united (the owner first);
+    ``contributions`` holds each plugin's own pattern configs and kernels, by
+    plugin name. For "native", ``left_out`` names the installed backends that
+    failed to load, each with its error: native is the union of the others.
     """
 
     name: str
@@ -112,14 +160,36 @@ class Backend:
     plugins: tuple[Plugin, ...]
     conflicts: tuple[Conflict, ...] = ()
     _registry: BackendRegistry | None = field(default=None, repr=False, compare=False)
+    contributions: tuple[tuple[str, tuple[BackendPatternConfig, ...], tuple[Kernel, ...]], ...] = (
+        field(default=(), repr=False, compare=False)
+    )
+    left_out: tuple[tuple[str, str], ...] = ()
 
     def default_qconfig_mapping(self, is_qat: bool = False) -> Any | None:
-        """The first contributing plugin's default QConfigMapping, or None."""
+        """The default QConfigMapping its plugins give, or None.
+
+        The plugins are asked in order (the owner first) and the first answer
+        wins. "native" asks no plugin and returns None: its default is qcore's
+        own (``qcore.get_default_qconfig_mapping("native")``, torch.ao's default
+        recipe), the same whatever is installed.
+        """
+        if self.name == NATIVE or self._registry is None:
+            return None
         return self._registry._first_answer(self, "qcore_default_qconfig_mapping", is_qat=is_qat)
 
     def quantizer(self, is_qat: bool = False) -> Any | None:
-        """A plugin's hand-written PT2E Quantizer for this backend, or None."""
-        return self._registry._first_answer(self, "qcore_backend_quantizer", is_qat=is_qat)
+        """A plugin's hand-written PT2E Quantizer for this backend, or None
+        ("native" asks no plugin: it is compiled from the united config)."""
+        found = self.own_quantizer(is_qat)
+        return None if found is None else found[0]
+
+    def own_quantizer(self, is_qat: bool = False) -> tuple[Any, Plugin] | None:
+        """(the hand-written PT2E Quantizer, the plugin that gave it), or None."""
+        if self.name == NATIVE or self._registry is None:
+            return None
+        return self._registry._first_answer(
+            self, "qcore_backend_quantizer", is_qat=is_qat, with_plugin=True
+        )
 
 
 class BackendRegistry:
@@ -140,7 +210,11 @@ class BackendRegistry:
         self._in_process: list[Plugin] = []
         self._backends: dict[str, Backend] = {}
         self._failures: dict[str, BackendLoadError] = {}
+        # Guards the registry's state; never held while a plugin's code runs.
         self._lock = threading.RLock()
+        # One per backend name: a backend is built once, by one thread at a time.
+        self._build_locks: dict[str, threading.RLock] = {}
+        self._generation = 0  # bumped by register(): builds started before are stale
         self._manager = pluggy.PluginManager(PROJECT_NAME)
         self._manager.add_hookspecs(hookspecs)
 
@@ -150,7 +224,7 @@ class BackendRegistry:
         """Every plugin known, in discovery order (in-process ones last)."""
         with self._lock:
             if self._plugins is None:
-                specs = [] if autoload_disabled(self._environ) else self._find()
+                specs = [] if self.autoload_disabled else self._find()
                 specs = sorted(specs, key=lambda s: (s.backend, s.distribution, s.target))
                 blocked = blocked_names(self._environ)
                 self._plugins = [
@@ -161,6 +235,11 @@ class BackendRegistry:
                     for spec in specs
                 ]
             return self._plugins + self._in_process
+
+    @property
+    def autoload_disabled(self) -> bool:
+        """Whether QCORE_DISABLE_PLUGIN_AUTOLOAD keeps installed plugins unread."""
+        return autoload_disabled(self._environ)
 
     def names(self) -> list[str]:
         """Backend names served by at least one plugin, sorted, plus ``"native"``."""
@@ -175,35 +254,55 @@ class BackendRegistry:
             )
         with self._lock:
             self._in_process.append(Plugin(in_process_spec(plugin, name)))
+            self._generation += 1
             self._backends.pop(name, None)
             self._backends.pop(NATIVE, None)
             self._failures.pop(name, None)
 
     # -- backends (plugins imported on demand) ------------------------------
 
+    def loaded(self, name: str) -> Backend | None:
+        """The backend ``name`` if it was built already, else None; loads nothing."""
+        with self._lock:
+            return self._backends.get(name)
+
     def get(self, name: str) -> Backend:
         """The backend ``name``; raises UnknownBackendError or BackendLoadError."""
         with self._lock:
-            if name in self._backends:
-                return self._backends[name]
-            if name in self._failures:
-                raise self._failures[name]
-            if name == NATIVE:
-                backend = self._build_native()
-            else:
-                try:
-                    backend = self._build(name)
-                except BackendLoadError as error:
-                    self._failures[name] = error
-                    raise
-            self._backends[name] = backend
+            found = self._cached(name)
+            if found is not None:
+                return found
+            build_lock = self._build_locks.setdefault(name, threading.RLock())
+        with build_lock:  # plugins of other backends load meanwhile, in other threads
+            with self._lock:
+                found = self._cached(name)
+                if found is not None:
+                    return found
+                generation = self._generation
+            try:
+                backend = self._build_native() if name == NATIVE else self._build(name)
+            except BackendLoadError as error:
+                with self._lock:
+                    if generation == self._generation:
+                        self._failures[name] = error
+                raise
+            with self._lock:
+                if generation == self._generation:
+                    self._backends[name] = backend
             return backend
+
+    def _cached(self, name: str) -> Backend | None:
+        if name in self._backends:
+            return self._backends[name]
+        if name in self._failures:
+            raise self._failures[name]
+        return None
 
     def _serving(self, name: str) -> list[Plugin]:
         serving = [plugin for plugin in self.plugins() if plugin.spec.backend == name]
         if not serving:
             raise UnknownBackendError(self._unknown_message(name))
-        return serving
+        return rank_plugins(name, serving)
 
     def _unknown_message(self, name: str) -> str:
         installed = self.names()
@@ -226,82 +325,129 @@ class BackendRegistry:
             )
         for plugin in usable:
             self._load(plugin)
+        contributions = []
+        for plugin in usable:
+            if plugin.state is not PluginState.LOADED:
+                continue
+            configs = self._call(plugin, "qcore_backend_pattern_configs", BackendPatternConfig)
+            if plugin.state is PluginState.LOADED:
+                kernels = self._call(plugin, "qcore_backend_kernels", Kernel)
+            if plugin.state is PluginState.LOADED:
+                contributions.append((plugin.name, tuple(configs), tuple(kernels)))
         failed = [plugin for plugin in usable if plugin.state is PluginState.FAILED]
         if failed:
-            first = failed[0]
-            error_type = (
-                PluginAPIVersionError
-                if isinstance(first.error, PluginAPIVersionError)
-                else BackendLoadError
-            )
-            raise error_type(
-                f"backend {name!r} could not be loaded: plugin {first.name} "
-                f"({first.spec.target}) failed: {first.error_summary()}"
-            ) from first.error
-        pattern_sources = []
-        kernels: list[Kernel] = []
-        for plugin in usable:
-            configs = self._call(plugin, "qcore_backend_pattern_configs", BackendPatternConfig)
-            kernels += self._call(plugin, "qcore_backend_kernels", Kernel)
-            pattern_sources.append((plugin.name, configs))
-        config, conflicts = unite(name, pattern_sources)
+            raise _load_error(name, failed, usable)
+        config, conflicts = unite(name, [(label, configs) for label, configs, _ in contributions])
         # What an installed plugin's config refers to may appear in JSON configs.
         from qcore.config.json import allow_config
 
         allow_config(config)
-        return Backend(name, config, tuple(kernels), tuple(usable), tuple(conflicts), self)
+        kernels = tuple(kernel for _, _, offered in contributions for kernel in offered)
+        return Backend(
+            name,
+            config,
+            kernels,
+            tuple(usable),
+            tuple(conflicts),
+            self,
+            contributions=tuple(contributions),
+        )
 
     def _build_native(self) -> Backend:
-        backends, broken = [], []
+        """The union of every installed backend.
+
+        Backends are united first-party first (those qcore publishes, in name
+        order), then the others in name order: where backends disagree on a
+        non-dtype field of a pattern (a fuser method, a fused module), a
+        first-party value is kept whatever else is installed. No plugin hook is
+        called with ``backend="native"``.
+        """
+        backends, left_out = [], []
         for name in self.names():
             if name == NATIVE:
                 continue
             try:
                 backends.append(self.get(name))
             except BackendLoadError as error:
-                broken.append(f"{name} ({error})")
+                if all(p.state is PluginState.BLOCKED for p in self._serving(name)):
+                    continue  # the user asked for it to stay out
+                left_out.append((name, str(error)))
+        backends.sort(key=lambda backend: (not is_first_party(backend), backend.name))
         config, conflicts = unite(
             NATIVE, [(backend.name, backend.config.configs) for backend in backends]
         )
-        if broken:
+        if left_out:
             warnings.warn(
-                f"'native' leaves out backends that failed to load: {'; '.join(broken)}. "
-                "Run `qcore backends` for details.",
+                "'native' leaves out backends that failed to load: "
+                + "; ".join(f"{name} ({error})" for name, error in left_out)
+                + ". Run `qcore backends --load` for details.",
                 QCoreWarning,
                 stacklevel=4,
             )
         if conflicts:
             warnings.warn(
-                f"'native': {len(conflicts)} pattern field(s) differ between backends; the first "
-                "backend in name order was kept. Run `qcore show native` to see them.",
+                f"'native': {len(conflicts)} pattern field(s) differ between backends; "
+                "first-party backends' values were kept. Run `qcore show native` to see them.",
                 QCoreWarning,
                 stacklevel=4,
             )
         plugins = tuple(plugin for backend in backends for plugin in backend.plugins)
         kernels = tuple(kernel for backend in backends for kernel in backend.kernels)
-        return Backend(NATIVE, config, kernels, plugins, tuple(conflicts), self)
+        contributions = tuple(c for backend in backends for c in backend.contributions)
+        return Backend(
+            NATIVE,
+            config,
+            kernels,
+            plugins,
+            tuple(conflicts),
+            self,
+            contributions=contributions,
+            left_out=tuple(left_out),
+        )
 
     # -- loading and calling, each plugin on its own ------------------------
+
+    def _guard(self, plugin: Plugin, function: Callable[[], T]) -> T | None:
+        """``function()``; whatever it raises (but KeyboardInterrupt) marks
+        ``plugin`` FAILED with that error, and None is returned."""
+        try:
+            return function()
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:  # SystemExit too: a plugin never ends the process
+            plugin.state, plugin.error = PluginState.FAILED, error
+            return None
 
     def _load(self, plugin: Plugin) -> None:
         if plugin.state is not PluginState.FOUND:
             return
-        try:
-            obj = plugin.spec.load()
-            _check_api_version(plugin, obj)
-            self._manager.register(obj, name=plugin.name)
-            self._manager.check_pending()
-        except Exception as error:  # a plugin must never take the others down
-            if self._manager.get_plugin(plugin.name) is not None:
-                self._manager.unregister(name=plugin.name)
-            plugin.state, plugin.error = PluginState.FAILED, error
+        obj = self._guard(plugin, plugin.spec.load)  # the import: no lock held
+        if plugin.state is PluginState.FAILED:
             return
-        plugin.state, plugin.obj = PluginState.LOADED, obj
+        self._guard(plugin, lambda: _check_api_version(plugin, obj))
+        if plugin.state is PluginState.FAILED:
+            return
+        with self._lock:
+            # One module may serve several backends: it is registered once.
+            registered_here = not self._manager.is_registered(obj)
+            if registered_here:
+                self._guard(plugin, lambda: self._register(plugin, obj))
+            if plugin.state is PluginState.FAILED:
+                if registered_here and self._manager.is_registered(obj):
+                    self._manager.unregister(obj)
+                return
+            plugin.state, plugin.obj = PluginState.LOADED, obj
+
+    def _register(self, plugin: Plugin, obj: Any) -> None:
+        self._manager.register(obj, name=plugin.name)
+        self._manager.check_pending()
 
     def _hookimpl(self, plugin: Plugin, hook_name: str) -> Callable | None:
         """The plugin's implementation of the hook, called with the arguments it
         declares (pluggy's rule: an implementation may take fewer than the spec)."""
-        for impl in getattr(self._manager.hook, hook_name).get_hookimpls():
+        with self._lock:
+            impls = getattr(self._manager.hook, hook_name).get_hookimpls()
+        for impl in impls:
             if impl.plugin is plugin.obj:
                 function, wanted = impl.function, set(impl.argnames)
                 return lambda **kwargs: function(
@@ -310,13 +456,21 @@ class BackendRegistry:
         return None
 
     def _call(self, plugin: Plugin, hook_name: str, item_type: type) -> list:
+        """The plugin's answer to a list hook, validated; [] with the plugin
+        FAILED if it raised or answered something else."""
         function = self._hookimpl(plugin, hook_name)
         if function is None:
             return []
-        try:
+
+        def call() -> list:
             result = function(backend=plugin.spec.backend)
             if result is None:
                 return []
+            if isinstance(result, (str, bytes, Mapping)) or not isinstance(result, Iterable):
+                raise TypeError(
+                    f"{hook_name}() returned {describe(result)}; "
+                    f"expected a list of {item_type.__name__} or None"
+                )
             items = list(result)
             for index, item in enumerate(items):
                 if not isinstance(item, item_type):
@@ -324,35 +478,125 @@ class BackendRegistry:
                         f"{hook_name}() returned {describe(item)} at index {index}; "
                         f"expected a list of {item_type.__name__}"
                     )
+            if item_type is BackendPatternConfig:
+                _check_pattern_configs(hook_name, plugin, items)
             return items
-        except Exception as error:
-            plugin.state, plugin.error = PluginState.FAILED, error
-            raise BackendLoadError(
-                f"backend {plugin.spec.backend!r} could not be loaded: plugin {plugin.name} "
-                f"raised in {hook_name}: {plugin.error_summary()}"
-            ) from error
 
-    def _first_answer(self, backend: Backend, hook_name: str, **kwargs: Any) -> Any | None:
+        items = self._guard(plugin, call)
+        if plugin.state is PluginState.FAILED:
+            plugin.failed_in = hook_name
+        return items or []
+
+    def _first_answer(
+        self, backend: Backend, hook_name: str, *, with_plugin: bool = False, **kwargs: Any
+    ) -> Any | None:
+        """The first non-None answer of the backend's plugins (in rank order),
+        validated; a plugin that raises or answers something else is named."""
         for plugin in backend.plugins:
             function = self._hookimpl(plugin, hook_name)
             if function is None:
                 continue
             try:
                 answer = function(backend=plugin.spec.backend, **kwargs)
-            except Exception as error:
+            except KeyboardInterrupt:
+                raise
+            except BaseException as error:  # SystemExit too
                 raise BackendLoadError(
-                    f"plugin {plugin.name} raised in {hook_name}: {type(error).__name__}: {error}"
+                    f"backend {backend.name!r}: plugin {plugin.name} raised in {hook_name}: "
+                    f"{type(error).__name__}: {error}"
                 ) from error
-            if answer is not None:
-                return answer
+            if answer is None:
+                continue
+            expected = _EXPECTED_ANSWER[hook_name]
+            if not expected[0](answer):
+                raise BackendLoadError(
+                    f"backend {backend.name!r}: plugin {plugin.name}: {hook_name}() returned "
+                    f"{describe(answer)}; expected {expected[1]} or None"
+                )
+            return (answer, plugin) if with_plugin else answer
         return None
+
+
+def _is_qconfig_mapping(value: Any) -> bool:
+    # qcore's QConfigMapping or torch.ao's: the attributes the engine reads.
+    return not isinstance(value, (str, Mapping)) and all(
+        hasattr(value, name)
+        for name in ("global_qconfig", "object_type_qconfigs", "module_name_qconfigs")
+    )
+
+
+def _is_quantizer(value: Any) -> bool:
+    from qcore.quantizer.quantizer import Quantizer
+
+    return isinstance(value, Quantizer)
+
+
+_EXPECTED_ANSWER: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "qcore_default_qconfig_mapping": (
+        _is_qconfig_mapping,
+        "a QConfigMapping (qcore's or torch.ao's)",
+    ),
+    "qcore_backend_quantizer": (_is_quantizer, "a qcore.Quantizer"),
+}
+
+
+def _check_pattern_configs(
+    hook_name: str, plugin: Plugin, configs: list[BackendPatternConfig]
+) -> None:
+    """What uniting the configs needs, checked while the plugin can still be named."""
+    for index, config in enumerate(configs):
+        if config.pattern is None and config._pattern_complex_format is None:
+            raise TypeError(
+                f"{hook_name}() returned a BackendPatternConfig without a pattern at index "
+                f"{index} ({config!r}); expected set_pattern() to have been called"
+            )
+        try:
+            hash(config.pattern_complex_format)
+        except TypeError as error:
+            raise TypeError(
+                f"{hook_name}() returned a BackendPatternConfig at index {index} whose "
+                f"pattern {describe(config.pattern)} is unhashable; expected module classes, "
+                "functions, method names or tuples of them"
+            ) from error
+    # Uniting this plugin's configs alone runs what uniting them with the others will.
+    unite(plugin.spec.backend, [(plugin.name, configs)])
+
+
+def _load_error(name: str, failed: list[Plugin], usable: list[Plugin]) -> BackendLoadError:
+    """The error for backend ``name``, naming its failed plugins and how to block them."""
+    first = failed[0]
+    what = f"raised in {first.failed_in}" if first.failed_in else "failed"
+    message = (
+        f"backend {name!r} could not be loaded: plugin {first.name} "
+        f"({first.spec.target}) {what}: {first.error_summary()}"
+    )
+    if len(failed) > 1:
+        message += f" (and {len(failed) - 1} more: {', '.join(p.name for p in failed[1:])})"
+    blockable = [plugin for plugin in failed if plugin.spec.distribution != IN_PROCESS]
+    if blockable:
+        names = ",".join(plugin.name for plugin in blockable)
+        distributions = ", ".join(sorted({plugin.spec.distribution for plugin in blockable}))
+        if len(blockable) < len(usable):
+            message += (
+                f". To load {name!r} without it, set {BLOCK_PLUGINS_ENV}={names} "
+                f"(or uninstall {distributions})"
+            )
+        else:
+            message += (
+                f". To stop qcore importing it, set {BLOCK_PLUGINS_ENV}={names} "
+                f"(or uninstall {distributions})"
+            )
+    version_error = isinstance(first.error, PluginAPIVersionError)
+    error = (PluginAPIVersionError if version_error else BackendLoadError)(message)
+    error.__cause__, error.__suppress_context__ = first.error, True
+    return error
 
 
 def _check_api_version(plugin: Plugin, obj: Any) -> None:
     declared = getattr(obj, "QCORE_PLUGIN_API_VERSION", None)
     if declared is None and plugin.spec.distribution == IN_PROCESS:
         return  # written in this very process, against this very qcore
-    if declared != PLUGIN_API_VERSION:
+    if type(declared) is not int or declared != PLUGIN_API_VERSION:  # True == 1 == 1.0
         what = (
             "declares no QCORE_PLUGIN_API_VERSION"
             if declared is None
