@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from qcore.config.errors import DuplicatePatternError, invalid
+from qcore.config.errors import ConfigError, DuplicatePatternError, invalid, relocate
 from qcore.config.pattern import BackendPatternConfig, Pattern, format_pattern
 
 __all__ = ["BackendConfig"]
@@ -65,8 +65,9 @@ class BackendConfig:
         key = config.pattern_complex_format
         if key in self._pattern_complex_format_to_config and not replace:
             raise DuplicatePatternError(
-                f"BackendConfig {self.name!r}: pattern {config.describe_pattern()} is already "
-                "configured; expected each pattern once (pass replace=True to replace it)"
+                f"BackendConfig {self.name!r}: got pattern {config.describe_pattern()}, which "
+                "is already configured; expected each pattern once (pass replace=True to "
+                "replace it)"
             )
         self._pattern_complex_format_to_config[key] = config
         return self
@@ -102,20 +103,25 @@ class BackendConfig:
         unknown = set(backend_config_dict) - {"name", "configs"}
         if unknown:
             raise invalid(
-                "BackendConfig", sorted(unknown)[0], "one of the keys ['configs', 'name']"
+                "BackendConfig",
+                sorted(unknown, key=repr)[0],  # keys of mixed types do not sort by value
+                "one of the keys ['configs', 'name']",
             )
         config = cls(backend_config_dict.get("name", ""))
         items = backend_config_dict.get("configs", [])
         if not isinstance(items, (list, tuple)):
             raise invalid("BackendConfig.configs", items, "a list of BackendPatternConfig or dicts")
         for index, item in enumerate(items):
-            if isinstance(item, dict):
-                item = BackendPatternConfig.from_dict(item)
-            elif not isinstance(item, BackendPatternConfig):
-                raise invalid(
-                    f"BackendConfig.configs[{index}]", item, "a BackendPatternConfig or a dict"
-                )
-            config.set_backend_pattern_config(item)
+            path = f"BackendConfig.configs[{index}]"
+            if not isinstance(item, (dict, BackendPatternConfig)):
+                raise invalid(path, item, "a BackendPatternConfig or a dict")
+            # Errors name the item's place in the dict, not just the setter's field.
+            try:
+                if isinstance(item, dict):
+                    item = BackendPatternConfig.from_dict(item)
+                config.set_backend_pattern_config(item)
+            except ConfigError as error:
+                raise relocate(error, path, "BackendPatternConfig") from None
         return config
 
     def to_dict(self) -> dict[str, Any]:

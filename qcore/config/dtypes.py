@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 
 from qcore.config.errors import invalid
 
-__all__ = ["ObservationType", "DTypeWithConstraints", "DTypeConfig"]
+__all__ = ["ObservationType", "DTypeWithConstraints", "DTypeConfig", "value_range"]
 
 
 class ObservationType(enum.Enum):
@@ -37,11 +38,57 @@ class ObservationType(enum.Enum):
 
 _NUMBER = (int, float)
 
+# Quantized dtypes packing several values in a byte: torch.iinfo reports the
+# byte's range (0..255), not the values'.
+_PACKED_RANGES = {torch.quint4x2: (0, 15), torch.quint2x4: (0, 3)}
+
+# Without a dtype, quant bounds still lie within the widest integer storage
+# (int64 below, uint64 above); anything beyond is no quantization at all.
+_NO_DTYPE_RANGE = (-(2**63), 2**64 - 1)
+
+
+def value_range(dtype: torch.dtype) -> tuple[int | float, int | float, bool] | None:
+    """The values ``dtype`` holds, as ``(lowest, highest, integral)``; None for a
+    dtype without a numeric range (bool, complex, the ``bits*`` containers)."""
+    if dtype in _PACKED_RANGES:
+        low, high = _PACKED_RANGES[dtype]
+        return low, high, True
+    # torch.int1..int7 and uint1..uint7 have no iinfo.
+    sub_byte = re.fullmatch(r"torch\.(u?)int([1-7])", str(dtype))
+    if sub_byte:
+        bits = int(sub_byte[2])
+        if sub_byte[1]:
+            return 0, 2**bits - 1, True
+        return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1, True
+    if dtype.is_complex or dtype == torch.bool:
+        return None
+    try:
+        if dtype.is_floating_point:
+            finfo = torch.finfo(dtype)
+            return float(finfo.min), float(finfo.max), False
+        iinfo = torch.iinfo(dtype)
+        return int(iinfo.min), int(iinfo.max), True
+    except TypeError:
+        return None
+
+
+def _is_nan(value: Any) -> bool:
+    # math.isnan(int) converts to float, which overflows for ints past 1e308.
+    return isinstance(value, float) and math.isnan(value)
+
+
+def _as_float(value: int | float) -> float | None:
+    """``value`` as a float, or None if a float cannot hold it."""
+    try:
+        return float(value)
+    except OverflowError:
+        return None
+
 
 def _check_optional_number(owner: str, name: str, value: Any) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, _NUMBER) or math.isnan(value):
+    if isinstance(value, bool) or not isinstance(value, _NUMBER) or _is_nan(value):
         raise invalid(f"{owner}.{name}", value, "an int, a float or None")
 
 
@@ -82,12 +129,50 @@ class DTypeWithConstraints:
         _check_optional_dtype(f"{owner}.dtype", self.dtype)
         for f in fields(self)[1:]:
             _check_optional_number(owner, f.name, getattr(self, f.name))
+        self._check_quant_values()
         self._check_ordered("quant_min_lower_bound", "quant_max_upper_bound")
+        self._check_scales()
         self._check_ordered("scale_min_lower_bound", "scale_max_upper_bound")
+        # Fixed qparams outside the other bounds could never be met by any observer.
+        self._check_within(
+            "zero_point_exact_match", "quant_min_lower_bound", "quant_max_upper_bound"
+        )
+        self._check_within("scale_exact_match", "scale_min_lower_bound", "scale_max_upper_bound")
+
+    def _check_quant_values(self) -> None:
+        """Quant bounds and the fixed zero point are values of the dtype: within its
+        range, and whole numbers for an integer dtype."""
+        known = None if self.dtype is None else value_range(self.dtype)
+        if known is None and self.dtype is not None:
+            return  # bool, complex, bits: nothing to measure against
+        low, high, integral = known if known is not None else (*_NO_DTYPE_RANGE, False)
+        of_what = f"{self.dtype}'s range" if self.dtype is not None else "the int64/uint64 range"
+        for name in ("quant_min_lower_bound", "quant_max_upper_bound", "zero_point_exact_match"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            field_name = f"DTypeWithConstraints.{name}"
+            if name == "zero_point_exact_match" and not isinstance(value, int):
+                raise invalid(field_name, value, "an int zero point")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise invalid(field_name, value, "a finite number")
+            if integral and isinstance(value, float) and not value.is_integer():
+                raise invalid(field_name, value, f"a whole number ({self.dtype} holds integers)")
+            if not low <= value <= high:
+                raise invalid(field_name, value, f"a value within {of_what} [{low}, {high}]")
+
+    def _check_scales(self) -> None:
         for name in ("scale_min_lower_bound", "scale_max_upper_bound", "scale_exact_match"):
             value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise invalid(f"{owner}.{name}", value, "a scale greater than 0")
+            if value is None:
+                continue
+            as_float = _as_float(value)
+            # An upper bound may be infinite ("no limit"); a scale itself may not.
+            finite_needed = name != "scale_max_upper_bound"
+            if as_float is None or (finite_needed and not math.isfinite(as_float)):
+                raise invalid(f"DTypeWithConstraints.{name}", value, "a finite scale")
+            if as_float <= 0:
+                raise invalid(f"DTypeWithConstraints.{name}", value, "a scale greater than 0")
 
     def _check_ordered(self, low_name: str, high_name: str) -> None:
         low, high = getattr(self, low_name), getattr(self, high_name)
@@ -96,6 +181,18 @@ class DTypeWithConstraints:
                 f"DTypeWithConstraints.{low_name}",
                 low,
                 f"a value no greater than {high_name}={high}",
+            )
+
+    def _check_within(self, name: str, low_name: str, high_name: str) -> None:
+        value = getattr(self, name)
+        low, high = getattr(self, low_name), getattr(self, high_name)
+        if value is None:
+            return
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise invalid(
+                f"DTypeWithConstraints.{name}",
+                value,
+                f"a value within {low_name}={low} and {high_name}={high}",
             )
 
     @property
@@ -202,7 +299,9 @@ class DTypeConfig:
         unknown = set(dtype_config_dict) - set(_DTYPE_CONFIG_KEYS)
         if unknown:
             raise invalid(
-                "DTypeConfig", sorted(unknown)[0], f"one of the keys {list(_DTYPE_CONFIG_KEYS)}"
+                "DTypeConfig",
+                sorted(unknown, key=repr)[0],  # keys of mixed types do not sort by value
+                f"one of the keys {list(_DTYPE_CONFIG_KEYS)}",
             )
         return cls(**dtype_config_dict)
 

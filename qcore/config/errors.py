@@ -6,6 +6,8 @@ user reading a traceback from a config file knows which line to fix.
 
 from __future__ import annotations
 
+import math
+import reprlib
 from typing import Any
 
 
@@ -17,13 +19,30 @@ class DuplicatePatternError(ConfigError):
     """A BackendConfig was given a second config for a pattern it already has."""
 
 
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel = 3
+_SHORT.maxstring = _SHORT.maxother = 40
+
+
 def describe(value: Any) -> str:
     """A short, unambiguous rendering of ``value`` for error messages."""
     if isinstance(value, type):
         return f"class {value.__module__}.{value.__qualname__}"
     if callable(value) and hasattr(value, "__qualname__"):
         return f"function {getattr(value, '__module__', '?')}.{value.__qualname__}"
-    text = repr(value)
+    if isinstance(value, int) and value.bit_length() > 256:
+        # Its digits would be cut off anyway, and past sys.get_int_max_str_digits
+        # repr raises: say how big it is instead.
+        digits = int(value.bit_length() * math.log10(2)) + 1
+        kind = "a negative" if value < 0 else "an"
+        return f"{kind} integer of about {digits} digits (int)"
+    try:
+        # A container's repr would walk all of it (a JSON array may be long or deep);
+        # reprlib stops after a few items and levels.
+        text = _SHORT.repr(value) if isinstance(value, _CONTAINERS) else repr(value)
+    except Exception as error:  # the message must not fail while reporting a value
+        text = f"<unprintable: {type(error).__name__}>"
     if len(text) > 80:
         text = text[:77] + "..."
     return f"{text} ({type(value).__name__})"
@@ -32,6 +51,24 @@ def describe(value: Any) -> str:
 def invalid(field: str, value: Any, expected: str) -> ConfigError:
     """Build the standard error: ``field: got <value>; expected <expected>``."""
     return ConfigError(f"{field}: got {describe(value)}; expected {expected}")
+
+
+def relocate(error: ConfigError, path: str, owner: str | None = None) -> ConfigError:
+    """``error`` as seen from the document that holds the failing object.
+
+    Its message is prefixed with ``path`` (``configs[3].dtype_configs[0]``); a
+    leading ``owner.`` (``DTypeWithConstraints.``) becomes ``path.``, so the
+    message names the field where it sits in the document. The error's class is
+    kept (a DuplicatePatternError stays one).
+    """
+    message = str(error)
+    if owner is not None and message.startswith(owner + "."):
+        message = path + message[len(owner) :]
+    elif owner is not None and message.startswith(owner + ":"):
+        message = path + message[len(owner) :]
+    else:
+        message = f"{path}: {message}"
+    return type(error)(message)
 
 
 class QCoreWarning(UserWarning):

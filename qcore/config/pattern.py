@@ -22,10 +22,11 @@ from typing import Any
 import torch
 
 from qcore.config.dtypes import DTypeConfig, ObservationType
-from qcore.config.errors import ConfigError, describe, invalid
+from qcore.config.errors import ConfigError, describe, invalid, relocate
 
 __all__ = [
     "BackendPatternConfig",
+    "MAX_PATTERN_DEPTH",
     "MatchAllNode",
     "Pattern",
     "to_complex_format",
@@ -39,14 +40,26 @@ Pattern = Callable | str | tuple
 # the class itself there. torch.ao's own class, so that ported configs are equal.
 from torch.ao.quantization.utils import MatchAllNode  # noqa: E402
 
+# Real patterns nest three or four deep; the limit keeps every recursive walk
+# over a pattern (checking, hashing, printing) far from Python's recursion limit.
+MAX_PATTERN_DEPTH = 32
 
-def _check_pattern_item(field_name: str, item: Any) -> None:
+
+def _check_pattern_item(field_name: str, item: Any, depth: int = 1) -> None:
     if isinstance(item, tuple):
+        if depth > MAX_PATTERN_DEPTH:
+            raise invalid(
+                field_name, item, f"a pattern nested at most {MAX_PATTERN_DEPTH} tuples deep"
+            )
         if not item:
             raise invalid(field_name, item, "a non-empty tuple")
         for index, sub in enumerate(item):
-            _check_pattern_item(f"{field_name}[{index}]", sub)
-    elif not (isinstance(item, str) or callable(item)):
+            _check_pattern_item(f"{field_name}[{index}]", sub, depth + 1)
+    elif isinstance(item, str):
+        # A string is the name of a Tensor method; "" or "a b" can never match one.
+        if not item.isidentifier():
+            raise invalid(field_name, item, "a method name such as 'relu' (a Python identifier)")
+    elif not callable(item):
         raise invalid(
             field_name, item, "a module class, a function, a method name (str) or a tuple of those"
         )
@@ -175,12 +188,13 @@ class BackendPatternConfig:
 
     def set_pattern(self, pattern: Pattern) -> BackendPatternConfig:
         """Set the pattern: an op, or a 2- or 3-tuple of ops in forward order."""
+        _check_simple_pattern(pattern)
         if self._pattern_complex_format is not None:
             raise ConfigError(
-                "BackendPatternConfig.pattern: pattern_complex_format is already set "
-                f"to {format_pattern(self._pattern_complex_format)}; expected only one of the two"
+                f"BackendPatternConfig.pattern: got {format_pattern(pattern)} while "
+                "pattern_complex_format is already set to "
+                f"{format_pattern(self._pattern_complex_format)}; expected only one of the two"
             )
-        _check_simple_pattern(pattern)
         self.pattern = pattern
         return self
 
@@ -274,8 +288,8 @@ class BackendPatternConfig:
         if not isinstance(num_tensor_args_to_observation_type, dict):
             raise invalid(field_name, num_tensor_args_to_observation_type, "a dict")
         for count, observation_type in num_tensor_args_to_observation_type.items():
-            if isinstance(count, bool) or not isinstance(count, int):
-                raise invalid(f"{field_name} key", count, "an int (number of tensor args)")
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise invalid(f"{field_name} key", count, "an int >= 0 (number of tensor args)")
             if not isinstance(observation_type, ObservationType):
                 raise invalid(f"{field_name}[{count}]", observation_type, "an ObservationType")
         self._num_tensor_args_to_observation_type = dict(num_tensor_args_to_observation_type)
@@ -294,13 +308,15 @@ class BackendPatternConfig:
         return self
 
     def _set_pattern_complex_format(self, pattern: Pattern) -> BackendPatternConfig:
-        """Set the pattern in reversed nested tuple format (any depth)."""
+        """Set the pattern in reversed nested tuple format (nested at most
+        MAX_PATTERN_DEPTH tuples deep)."""
+        _check_pattern_item("BackendPatternConfig.pattern_complex_format", pattern)
         if self.pattern is not None:
             raise ConfigError(
-                f"BackendPatternConfig.pattern_complex_format: pattern is already set to "
-                f"{format_pattern(self.pattern)}; expected only one of the two"
+                f"BackendPatternConfig.pattern_complex_format: got {format_pattern(pattern)} "
+                f"while pattern is already set to {format_pattern(self.pattern)}; expected only "
+                "one of the two"
             )
-        _check_pattern_item("BackendPatternConfig.pattern_complex_format", pattern)
         self._pattern_complex_format = pattern
         return self
 
@@ -320,7 +336,7 @@ class BackendPatternConfig:
         if unknown:
             raise invalid(
                 "BackendPatternConfig",
-                sorted(unknown)[0],
+                sorted(unknown, key=repr)[0],  # keys of mixed types do not sort by value
                 f"one of the keys {sorted(_DICT_SETTERS) + ['pattern_complex_format']}",
             )
         config = cls()
@@ -387,7 +403,12 @@ def _as_dtype_config(index: int, item: Any) -> DTypeConfig:
     if isinstance(item, DTypeConfig):
         return item
     if isinstance(item, dict):
-        return DTypeConfig.from_dict(item)
+        try:
+            return DTypeConfig.from_dict(item)
+        except ConfigError as error:
+            raise relocate(
+                error, f"BackendPatternConfig.dtype_configs[{index}]", "DTypeConfig"
+            ) from None
     raise ConfigError(
         f"BackendPatternConfig.dtype_configs[{index}]: got {describe(item)}; "
         "expected a DTypeConfig or a dict"
