@@ -1,5 +1,6 @@
 """The JSON form: round trips, tagged forms, and the allow-list."""
 
+import builtins
 import importlib
 import json
 import operator
@@ -243,15 +244,23 @@ def _one_pattern(pattern_json, **extra):
 
 
 class ImportRecorder:
+    """Records every import, by statement or importlib, from its creation on."""
+
     def __init__(self, monkeypatch):
         self.names = []
-        real = importlib.import_module
+        real_import_module = importlib.import_module
+        real_import = builtins.__import__
 
-        def recording(name, package=None):
+        def recording_import_module(name, package=None):
             self.names.append(name)
-            return real(name, package)
+            return real_import_module(name, package)
 
-        monkeypatch.setattr(qjson.importlib, "import_module", recording)
+        def recording_import(name, *args, **kwargs):
+            self.names.append(name)
+            return real_import(name, *args, **kwargs)
+
+        monkeypatch.setattr(importlib, "import_module", recording_import_module)
+        monkeypatch.setattr(builtins, "__import__", recording_import)
 
 
 @pytest.mark.parametrize(
@@ -288,7 +297,7 @@ def test_reference_fields_are_refused_too(monkeypatch):
         ("torch.nn.modules.module.OrderedDict", ["module 'collections'", "outside"]),
         ("torch.nn", ["a module", "expected a class or function"]),
         ("torchvision.models.resnet18", ["not in the allow-list"]),
-        ("torch.no_such_thing_here", ["expected an importable name"]),
+        ("torch.no_such_thing_here", ["expected an existing name", "imports nothing"]),
         ("torch.nn.Linear.no_attr", ["has no attribute 'no_attr'"]),
         ("os", ["expected a dotted qualified name"]),
         ("torch..x", ["expected a dotted qualified name"]),
@@ -302,11 +311,25 @@ def test_escapes_and_bad_names(name, words):
     assert "configs[0].pattern.ref" in str(excinfo.value)
 
 
-def test_resolving_imports_only_allowed_torch_submodules(monkeypatch):
+def test_resolving_imports_nothing(monkeypatch):
     recorder = ImportRecorder(monkeypatch)
     config = from_json(_one_pattern({"ref": "torch.ao.nn.intrinsic.modules.fused.ConvReLU2d"}))
     assert config.configs[0].pattern is nni.ConvReLU2d
-    assert recorder.names and all(name.startswith("torch") for name in recorder.names)
+    assert recorder.names == []
+
+
+def test_a_module_not_yet_imported_is_not_imported_for_a_name(monkeypatch):
+    # torch.utils.model_dump is a tool torch itself never imports.
+    assert "torch.utils.model_dump" not in sys.modules
+    recorder = ImportRecorder(monkeypatch)
+    with pytest.raises(ConfigError) as excinfo:
+        from_json(_one_pattern({"ref": "torch.utils.model_dump.get_model_info"}))
+    message = str(excinfo.value)
+    assert "configs[0].pattern.ref" in message
+    assert "'torch.utils.model_dump.get_model_info'" in message
+    assert "imports nothing" in message
+    assert recorder.names == []
+    assert "torch.utils.model_dump" not in sys.modules
 
 
 def test_lambda_is_refused_with_a_clear_error():
@@ -451,7 +474,7 @@ def test_registering_a_name_twice_for_different_objects_is_an_error():
         (_one_pattern("relu", extra=1), ["configs[0]", "'extra'", "expected one of"]),
         (
             _one_pattern(["relu", "relu", "relu", "relu"]),
-            ["configs[0]", "BackendPatternConfig.pattern", "2- or 3-tuple"],
+            ["configs[0].pattern: got", "2- or 3-tuple"],
         ),
     ],
 )

@@ -47,17 +47,28 @@ Rules:
 * Non-finite floats are written ``{"float": "inf"}``.
 
 Qualified names are ``module.qualname`` of the object (``torch.add``,
-``operator.add``, ``torch.nn.modules.linear.Linear``). Reading a name never
-imports a module outside the allow-list: an :class:`Allowlist` admits names
-under its module prefixes (by default ``torch``, ``qcore`` and ``operator``)
-and objects registered one by one with :meth:`Allowlist.allow`. Plugins
-register their fuser methods and modules with :func:`allow` (or
-:func:`allow_config`), or a whole package with :func:`allow_module_prefix`.
+``operator.add``, ``torch.nn.modules.linear.Linear``). A config file is data,
+never code: reading a name **never imports a module** (importing runs the
+module's code; ``qcore.__main__`` would run the CLI and exit). A name resolves
+only inside modules already imported, by looking in their namespaces without
+running ``__getattr__`` hooks or descriptors; script modules (``__main__``,
+``*.__main__``) and dunder attributes (``__subclasses__``, ``__globals__``)
+are never reached. An :class:`Allowlist` admits names under its module
+prefixes (by default ``torch``, ``qcore`` and ``operator``) and objects
+registered one by one with :meth:`Allowlist.allow`. Plugins register their
+fuser methods and modules with :func:`allow` (or :func:`allow_config`), or a
+whole package with :func:`allow_module_prefix`; a plugin's modules are
+imported when the plugin loads, before its names are read.
+
+Every failure to read a document is a :class:`ConfigError` whose message starts
+with the failing field's path in the document
+(``configs[2].dtype_configs[0].input_dtype.quant_max_upper_bound: got 300
+(int); expected a value within torch.quint8's range [0, 255]``).
 """
 
 from __future__ import annotations
 
-import importlib
+import inspect
 import json as _json
 import math
 import sys
@@ -69,8 +80,8 @@ import torch
 
 from qcore.config.backend import BackendConfig
 from qcore.config.dtypes import DTypeConfig, DTypeWithConstraints, ObservationType
-from qcore.config.errors import ConfigError, DuplicatePatternError, describe
-from qcore.config.pattern import BackendPatternConfig
+from qcore.config.errors import ConfigError, describe, relocate
+from qcore.config.pattern import MAX_PATTERN_DEPTH, BackendPatternConfig
 
 __all__ = [
     "Allowlist",
@@ -114,8 +125,38 @@ _CONSTRAINT_FIELDS = (
 _DTYPE_KINDS = ("input_dtype", "output_dtype", "weight_dtype")
 
 
+# A document nests about six deep, plus its patterns: the limit keeps the
+# recursive decoders far from Python's recursion limit.
+MAX_DEPTH = MAX_PATTERN_DEPTH + 32
+
+# A script module runs its program when imported and is never a library.
+_SCRIPT_MODULE = "__main__"
+
+
 def _within(module_name: str, prefix: str) -> bool:
     return module_name == prefix or module_name.startswith(prefix + ".")
+
+
+def _is_script_module(module_name: str) -> bool:
+    return _SCRIPT_MODULE in module_name.split(".")
+
+
+def _kind(obj: Any) -> str:
+    """What ``obj`` is, for a message, without calling its ``__repr__`` (code of
+    the object a hostile name reached)."""
+    if isinstance(obj, type):
+        return f"class {obj.__qualname__}"
+    return f"an object of type {type(obj).__qualname__}"
+
+
+def _namespace(obj: Any) -> dict[str, Any]:
+    """An object's own ``__dict__``, read without running its class's
+    ``__getattribute__`` (a lazy module's would load it)."""
+    try:
+        namespace = object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        return {}
+    return namespace if isinstance(namespace, dict) else dict(namespace)
 
 
 def _canonical_module(module_name: str) -> str:
@@ -182,9 +223,10 @@ class Allowlist:
     A name is allowed when it lies under one of the module prefixes
     (``"torch"`` admits ``torch.nn.modules.conv.Conv2d``, not ``torchvision``)
     or when the object was registered with :meth:`allow`. Resolving a name
-    imports at most modules under the allowed prefixes; every module met on the
-    way, and the object's own ``__module__``, must be allowed too, so
-    ``torch.os.system`` is refused.
+    imports nothing: it is looked up in modules already imported, through
+    modules and classes only; every module met on the way, and the object's own
+    ``__module__``, must be allowed too, so ``torch.os.system`` is refused. Script
+    modules (``__main__``, ``*.__main__``) are never allowed.
 
     Example::
 
@@ -227,6 +269,11 @@ class Allowlist:
             raise ConfigError(
                 f"Allowlist.prefix: got {describe(prefix)}; expected a dotted module name "
                 "such as 'qcore_mychip'"
+            )
+        if _SCRIPT_MODULE in parts:
+            raise ConfigError(
+                f"Allowlist.prefix: got {prefix!r}; expected a library module, not a script "
+                "module (__main__ runs a program; it is never allowed)"
             )
         if prefix not in self._prefixes:
             self._prefixes.append(prefix)
@@ -281,6 +328,8 @@ class Allowlist:
     # -- queries --------------------------------------------------------
 
     def is_module_allowed(self, module_name: str) -> bool:
+        if _is_script_module(module_name):
+            return False
         module_name = _canonical_module(module_name)
         return any(_within(module_name, prefix) for prefix in self._prefixes)
 
@@ -329,7 +378,13 @@ class Allowlist:
 
     def resolve(self, name: Any, field: str) -> Any:
         """The object ``name`` refers to; a ConfigError naming ``field`` if the
-        name is not allowed or does not resolve."""
+        name is not allowed or does not resolve.
+
+        Nothing is imported and no code of the named objects runs: the name is
+        looked up in modules already in ``sys.modules``, through their own
+        namespaces (no module ``__getattr__``, no descriptors), so ``qcore.__main__``
+        or ``torch.classes.x.y`` cannot start a program or raise from inside torch.
+        """
         if not isinstance(name, str) or not name:
             raise ConfigError(
                 f"{field}: got {describe(name)}; expected a qualified name string such as "
@@ -340,62 +395,122 @@ class Allowlist:
         parts = name.split(".")
         if not all(part.isidentifier() for part in parts) or len(parts) < 2:
             raise ConfigError(
-                f"{field}: got {name!r}; expected a dotted qualified name such as "
+                f"{field}: got {describe(name)}; expected a dotted qualified name such as "
                 "'torch.nn.modules.linear.Linear'"
+            )
+        if _SCRIPT_MODULE in parts:
+            raise ConfigError(
+                f"{field}: got {name!r}, which names a script module; expected a name in a "
+                "library module (__main__ runs a program and is never allowed)"
+            )
+        # A dunder attribute leads out of the object it is read on (__base__,
+        # __subclasses__, __globals__, __builtins__); no config names one.
+        dunder = next((part for part in parts if part.startswith("__")), None)
+        if dunder is not None:
+            raise ConfigError(
+                f"{field}: got {name!r}; expected a name without dunder parts ({dunder!r} "
+                "leads out of the object it is looked up on)"
             )
         if not self.is_module_allowed(name):
             raise ConfigError(
                 f"{field}: got {name!r}, which is not in the allow-list; expected "
                 f"{self.describe_allowed()}"
             )
-        # The shortest allowed module prefix of the name is the first import.
-        start = next(
-            index
-            for index in range(1, len(parts) + 1)
-            if self.is_module_allowed(".".join(parts[:index]))
-        )
-        module_name = _canonical_module(".".join(parts[:start]))
-        obj: Any = self._import(module_name, name, field)
-        for part in parts[start:]:
-            if isinstance(obj, types.ModuleType) and not hasattr(obj, part):
-                obj = self._import(f"{obj.__name__}.{part}", name, field)
+        obj, rest = self._loaded_module(name, parts, field)
+        for index, part in enumerate(rest):
+            obj = self._attribute(obj, part, name, field, last=index == len(rest) - 1)
+        if isinstance(obj, types.ModuleType):
+            raise ConfigError(f"{field}: got {name!r}, a module; expected a class or function")
+        if not isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType)):
+            raise ConfigError(
+                f"{field}: got {name!r}, which is {_kind(obj)}; expected a class or function"
+            )
+        if self._by_name.get(self._by_id.get(id(obj), "")) is obj:
+            return obj  # registered one by one, wherever it was defined
+        # The object must also be *defined* in the allow-list: re-exports of other
+        # modules' objects (torch.nn.modules.module.OrderedDict) are refused, as are
+        # objects that say nothing of where they come from.
+        owner = getattr(obj, "__module__", None)
+        if not isinstance(owner, str) or not self.is_module_allowed(owner):
+            where = (
+                f"defined in module {owner!r} outside the allow-list"
+                if isinstance(owner, str)
+                else f"with no module of its own (__module__ is {owner!r})"
+            )
+            raise ConfigError(
+                f"{field}: got {name!r}, which is {describe(obj)} {where}; expected "
+                f"{self.describe_allowed()}"
+            )
+        return obj
+
+    def _loaded_module(self, name: str, parts: list[str], field: str) -> tuple[Any, list[str]]:
+        """The longest prefix of ``name`` that is an imported, allowed module, and
+        the attribute names after it."""
+        for index in range(len(parts) - 1, 0, -1):
+            module_name = ".".join(parts[:index])
+            module = sys.modules.get(module_name)
+            if not isinstance(module, types.ModuleType):
                 continue
+            real_name = _namespace(module).get("__name__")
+            if not (
+                isinstance(real_name, str)
+                and self.is_module_allowed(module_name)
+                and self.is_module_allowed(real_name)
+            ):
+                raise ConfigError(
+                    f"{field}: got {name!r}, which is looked up in module {module_name!r} "
+                    f"(named {real_name!r}) outside the allow-list; expected "
+                    f"{self.describe_allowed()}"
+                )
+            return module, parts[index:]
+        raise ConfigError(
+            f"{field}: got {name!r}; expected a name in a module already imported (reading "
+            f"a config never imports one: import {'.'.join(parts[:-1])!r}, or load the "
+            "plugin that defines it, first)"
+        )
+
+    def _attribute(self, obj: Any, part: str, name: str, field: str, *, last: bool) -> Any:
+        """``obj.part`` for a module or class, looked up statically."""
+        if isinstance(obj, types.ModuleType):
+            # Only the module's own namespace: a module's __getattr__ may import
+            # (torch's does, for torch._dynamo) or raise (torch.classes).
+            namespace = _namespace(obj)
+            if part not in namespace:
+                raise ConfigError(
+                    f"{field}: got {name!r}; expected an existing name, but module "
+                    f"{namespace.get('__name__', '?')!r} has no attribute {part!r} (reading a "
+                    "config imports nothing: a submodule must be imported first)"
+                )
+            value = namespace[part]
+        elif isinstance(obj, type):
             try:
-                obj = getattr(obj, part)
+                # No metaclass __getattr__, no descriptor __get__: nothing runs.
+                value = inspect.getattr_static(obj, part)
             except AttributeError:
                 raise ConfigError(
                     f"{field}: got {name!r}; expected an existing name, but "
                     f"{describe(obj)} has no attribute {part!r}"
                 ) from None
-            if isinstance(obj, types.ModuleType) and not self.is_module_allowed(obj.__name__):
+            if isinstance(value, staticmethod):
+                value = value.__func__
+        else:
+            raise ConfigError(
+                f"{field}: got {name!r}; expected a path through modules and classes, but "
+                f"it passes through {_kind(obj)}"
+            )
+        if isinstance(value, types.ModuleType):
+            module_name = _namespace(value).get("__name__")
+            if not isinstance(module_name, str) or not self.is_module_allowed(module_name):
                 raise ConfigError(
-                    f"{field}: got {name!r}, which reaches module {obj.__name__!r} outside "
+                    f"{field}: got {name!r}, which reaches module {module_name!r} outside "
                     f"the allow-list; expected {self.describe_allowed()}"
                 )
-        if isinstance(obj, types.ModuleType):
-            raise ConfigError(f"{field}: got {name!r}, a module; expected a class or function")
-        owner = getattr(obj, "__module__", None)
-        if isinstance(owner, str) and not self.is_module_allowed(owner):
-            if self._by_name.get(self._by_id.get(id(obj), "")) is not obj:
-                raise ConfigError(
-                    f"{field}: got {name!r}, which is {describe(obj)} defined in module "
-                    f"{owner!r} outside the allow-list; expected {self.describe_allowed()}"
-                )
-        return obj
-
-    def _import(self, module_name: str, name: str, field: str) -> types.ModuleType:
-        if not self.is_module_allowed(module_name):  # pragma: no cover - defensive
+        elif not last and not isinstance(value, type):
             raise ConfigError(
-                f"{field}: got {name!r}; expected {self.describe_allowed()} "
-                f"(module {module_name!r} is outside it)"
+                f"{field}: got {name!r}; expected a path through modules and classes, but "
+                f"{part!r} is {_kind(value)}"
             )
-        try:
-            return importlib.import_module(module_name)
-        except ImportError as error:
-            raise ConfigError(
-                f"{field}: got {name!r}; expected an importable name, but importing "
-                f"{module_name!r} failed: {error}"
-            ) from None
+        return value
 
 
 default_allowlist = Allowlist()
@@ -548,7 +663,9 @@ def _expect(value: Any, kind: type | tuple[type, ...], field: str, expected: str
 
 def _decode_dtype(value: Any, field: str) -> torch.dtype:
     if isinstance(value, str):
-        dtype = getattr(torch, value.removeprefix("torch."), None)
+        # torch's own namespace only: getattr(torch, name) would run torch's module
+        # __getattr__, which imports torch._dynamo and friends for their names.
+        dtype = vars(torch).get(value.removeprefix("torch."))
         if isinstance(dtype, torch.dtype):
             return dtype
     raise ConfigError(
@@ -563,7 +680,25 @@ def _decode_number(value: Any, field: str) -> Any:
         if text in ("inf", "-inf"):
             return float(text)
         raise ConfigError(f"{field}: got {describe(value)}; expected {{'float': 'inf'|'-inf'}}")
-    return _expect(value, (int, float), field, "a number")
+    number = _expect(value, (int, float), field, "a number")
+    if isinstance(number, float) and not math.isfinite(number):
+        # json reads 1e400 as inf; infinity is written {"float": "inf"}, on purpose.
+        raise ConfigError(
+            f"{field}: got {describe(value)}; expected a finite number (write infinity as "
+            '{"float": "inf"})'
+        )
+    return number
+
+
+def _decode_count(key: str, field: str) -> int:
+    """A JSON object key read as a count of tensor arguments."""
+    # str.isdigit() is true for "²" and "٣", which int() rejects or reads as 3.
+    if not (key.isascii() and key.isdigit() and len(key) <= 9 and str(int(key)) == key):
+        raise ConfigError(
+            f"{field}: got key {describe(key)}; expected a non-negative integer written in "
+            "ASCII digits without leading zeros, such as '2'"
+        )
+    return int(key)
 
 
 def _decode_constrained(value: Any, field: str) -> DTypeWithConstraints:
@@ -585,7 +720,7 @@ def _decode_constrained(value: Any, field: str) -> DTypeWithConstraints:
     try:
         return DTypeWithConstraints(**kwargs)
     except ConfigError as error:
-        raise ConfigError(f"{field}: {error}") from None
+        raise relocate(error, field, "DTypeWithConstraints") from None
 
 
 def _decode_dtype_config(value: Any, field: str) -> DTypeConfig:
@@ -606,7 +741,10 @@ def _decode_dtype_config(value: Any, field: str) -> DTypeConfig:
         kwargs["is_dynamic"] = _expect(
             value["is_dynamic"], bool, f"{field}.is_dynamic", "true, false or null"
         )
-    return DTypeConfig(**kwargs)
+    try:
+        return DTypeConfig(**kwargs)
+    except ConfigError as error:
+        raise relocate(error, field, "DTypeConfig") from None
 
 
 def _decode_observation_type(value: Any, field: str) -> ObservationType:
@@ -642,6 +780,19 @@ _PATTERN_CONFIG_KEYS = (
     "input_type_to_index",
 )
 
+# BackendPatternConfig's field names where its JSON key differs.
+_JSON_KEY_OF_FIELD = {"reference_quantized_module": "reference_quantized_module_for_root"}
+
+
+def _relocate_pattern_error(error: ConfigError, path: str) -> ConfigError:
+    """A BackendPatternConfig's error, its field renamed to the document's path."""
+    for field_name, key in _JSON_KEY_OF_FIELD.items():
+        prefix = f"BackendPatternConfig.{field_name}"
+        text = str(error)
+        if text.startswith(prefix) and not text[len(prefix) :][:1].isidentifier():
+            error = type(error)(f"BackendPatternConfig.{key}{text[len(prefix) :]}")
+    return relocate(error, path, "BackendPatternConfig")
+
 
 def _decode_pattern_config(value: Any, path: str, allowlist: Allowlist) -> BackendPatternConfig:
     _expect(value, dict, path, "an object describing a BackendPatternConfig")
@@ -649,6 +800,11 @@ def _decode_pattern_config(value: Any, path: str, allowlist: Allowlist) -> Backe
     if unknown:
         raise ConfigError(
             f"{path}: got key {sorted(unknown)[0]!r}; expected one of {list(_PATTERN_CONFIG_KEYS)}"
+        )
+    if not any(value.get(key) is not None for key in _PATTERN_FIELDS):
+        raise ConfigError(
+            f"{path}: got no pattern (keys {sorted(value)}); expected a 'pattern' or a "
+            "'pattern_complex_format'"
         )
     as_dict: dict[str, Any] = {}
     for key in _PATTERN_FIELDS:
@@ -670,12 +826,10 @@ def _decode_pattern_config(value: Any, path: str, allowlist: Allowlist) -> Backe
     if "num_tensor_args_to_observation_type" in value:
         field = f"{path}.num_tensor_args_to_observation_type"
         mapping = _expect(value["num_tensor_args_to_observation_type"], dict, field, "an object")
-        decoded = {}
-        for key, item in mapping.items():
-            if not (isinstance(key, str) and key.isdigit()):
-                raise ConfigError(f"{field}: got key {key!r}; expected a non-negative integer")
-            decoded[int(key)] = _decode_observation_type(item, f"{field}[{key!r}]")
-        as_dict["num_tensor_args_to_observation_type"] = decoded
+        as_dict["num_tensor_args_to_observation_type"] = {
+            _decode_count(key, field): _decode_observation_type(item, f"{field}[{key!r}]")
+            for key, item in mapping.items()
+        }
     if "input_type_to_index" in value:
         as_dict["input_type_to_index"] = _expect(
             value["input_type_to_index"], dict, f"{path}.input_type_to_index", "an object"
@@ -683,34 +837,99 @@ def _decode_pattern_config(value: Any, path: str, allowlist: Allowlist) -> Backe
     try:
         return BackendPatternConfig.from_dict(as_dict)
     except ConfigError as error:
-        raise ConfigError(f"{path}: {error}") from None
+        raise _relocate_pattern_error(error, path) from None
+
+
+def _json_kind(value: Any) -> str:
+    """A JSON value described cheaply: a top-level array may be huge or deep."""
+    if isinstance(value, list):
+        return f"an array of {len(value)} items"
+    return describe(value)
+
+
+def _check_depth(document: Any) -> None:
+    """Refuse documents nested deeper than any config (without recursing)."""
+    stack: list[tuple[Any, int, str]] = [(document, 1, "")]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, dict):
+            children: Iterable[tuple[Any, str]] = (
+                (item, f"{path}.{key}" if path else str(key)) for key, item in value.items()
+            )
+        elif isinstance(value, list):
+            children = ((item, f"{path}[{index}]") for index, item in enumerate(value))
+        else:
+            continue
+        if depth > MAX_DEPTH:
+            raise ConfigError(
+                f"{path or 'BackendConfig JSON'}: got arrays or objects nested {depth} deep; "
+                f"expected at most {MAX_DEPTH} levels (a pattern nests at most "
+                f"{MAX_PATTERN_DEPTH})"
+            )
+        stack.extend((item, depth + 1, item_path) for item, item_path in children)
+
+
+def _parse(text: Any) -> Any:
+    if isinstance(text, (bytes, bytearray)):
+        # JSON text is UTF-8 (RFC 8259). json.loads would guess UTF-16 or UTF-32 for
+        # other bytes and import that codec's module: reading must import nothing.
+        try:
+            text = bytes(text).removeprefix(b"\xef\xbb\xbf").decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ConfigError(
+                f"BackendConfig JSON: got bytes that are not UTF-8 ({error}); expected JSON "
+                "text in UTF-8"
+            ) from None
+    try:
+        # NaN and Infinity are read as floats, and refused where a number is read,
+        # with the field's path: no field takes a non-finite number untagged.
+        return _json.loads(text)
+    except RecursionError:
+        # json's parser recurses once per [ or {; "[" * 100000 exhausts the stack.
+        raise ConfigError(
+            f"BackendConfig JSON: got arrays or objects nested too deep to read; expected at "
+            f"most {MAX_DEPTH} levels"
+        ) from None
+    except (TypeError, ValueError) as error:
+        got = "text" if isinstance(text, (str, bytes, bytearray)) else describe(text)
+        raise ConfigError(
+            f"BackendConfig JSON: got {got} that is not JSON ({error}); expected a JSON object "
+            "with 'name' and 'configs'"
+        ) from None
 
 
 def from_json(text: str | bytes, *, allowlist: Allowlist | None = None) -> BackendConfig:
     """Read a BackendConfig written by :func:`to_json` (or by hand).
 
     Names resolve only through ``allowlist`` (default:
-    :data:`default_allowlist`); a name outside it is a ConfigError naming the
-    field path, the name and what is allowed, and nothing is imported for it.
+    :data:`default_allowlist`) and only in modules already imported; a name
+    outside it is a ConfigError naming the field path, the name and what is
+    allowed, and nothing is imported for it. Any other failure is a ConfigError
+    too, naming the field's path, the value and what was expected.
     """
     allowlist = default_allowlist if allowlist is None else allowlist
-    try:
-        document = _json.loads(text)
-    except (TypeError, ValueError) as error:
-        raise ConfigError(f"BackendConfig JSON: got text that is not JSON ({error})") from None
-    _expect(document, dict, "BackendConfig JSON", "an object with 'name' and 'configs'")
+    document = _parse(text)
+    if not isinstance(document, dict):
+        raise ConfigError(
+            f"BackendConfig JSON: got {_json_kind(document)}; expected an object with 'name' "
+            "and 'configs'"
+        )
     known = {"format", "version", "name", "configs"}
     unknown = set(document) - known
     if unknown:
         raise ConfigError(
             f"BackendConfig JSON: got key {sorted(unknown)[0]!r}; expected one of {sorted(known)}"
         )
+    # After the keys are known, so that the path of a too-deep value names a field.
+    _check_depth(document)
     if document.get("format", FORMAT) != FORMAT:
-        raise ConfigError(f"format: got {document['format']!r}; expected {FORMAT!r}")
-    if document.get("version", VERSION) != VERSION:
+        raise ConfigError(f"format: got {describe(document['format'])}; expected {FORMAT!r}")
+    version = document.get("version", VERSION)
+    # True == 1 and 1.0 == 1 in Python; a version is an integer, and only this one.
+    if type(version) is not int or version != VERSION:
         raise ConfigError(
-            f"version: got {document['version']!r}; expected {VERSION} (this qcore reads "
-            f"version {VERSION})"
+            f"version: got {describe(version)}; expected {VERSION} (an integer: this qcore "
+            f"reads version {VERSION})"
         )
     name = _expect(document.get("name", ""), str, "name", "a string")
     items = _expect(document.get("configs", []), list, "configs", "an array")
@@ -720,6 +939,6 @@ def from_json(text: str | bytes, *, allowlist: Allowlist | None = None) -> Backe
         pattern_config = _decode_pattern_config(item, path, allowlist)
         try:
             config.set_backend_pattern_config(pattern_config)
-        except DuplicatePatternError as error:
-            raise DuplicatePatternError(f"{path}: {error}") from None
+        except ConfigError as error:
+            raise _relocate_pattern_error(error, path) from None
     return config
