@@ -6,6 +6,13 @@ Backends are plugins, found through the ``qcore.backends`` entry point group::
     >>> qcore.list_backends()
     ['fbgemm', 'native', 'onednn', 'qnnpack', 'x86']
     >>> config = qcore.get_backend_config("x86")
+
+A converted model saves and loads without running code from the file
+(``qcore.save``/``qcore.load``: plain data read with ``torch.load(weights_only=True)``,
+every operator and class checked against allow-lists)::
+
+    >>> qcore.save(qcore.convert_fx(prepared), "model.qcore")
+    >>> loaded = qcore.load("model.qcore")      # bit-exact, whatever the quantized engine
 """
 
 from qcore.config import (
@@ -60,6 +67,10 @@ _LAZY = {
     "FixedQParamsQuantizationSpec": "qcore.quantizer",
     "DerivedQuantizationSpec": "qcore.quantizer",
     "QuantizationAnnotation": "qcore.quantizer",
+    "save": "qcore.serialization",
+    "load": "qcore.serialization",
+    "RefusedFileError": "qcore.serialization",
+    "UnsupportedModelError": "qcore.serialization",
     "sync_observers": "qcore.distributed",
     "SyncResult": "qcore.distributed",
     "ObserverSyncError": "qcore.distributed",

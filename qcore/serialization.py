@@ -578,7 +578,7 @@ class _Encoder:
         entry.update(
             {
                 "kind": "graph_module",
-                "class_name": type(gm).__name__,
+                "class_name": _class_name_of(gm),
                 "graph": self.graph(gm.graph, where),
                 "attributes": self._attributes(
                     state, _MODULE_INTERNALS | _GRAPH_MODULE_INTERNALS, where
@@ -593,7 +593,7 @@ class _Encoder:
     def graph(self, graph: Graph, where: str) -> dict:
         nodes = []
         for node in graph.nodes:
-            at = f"{where or 'model'}: node {node.name!r}"
+            at = f"{where}: node {node.name!r}"
             target: Any = node.target
             if node.op == "call_function":
                 target = self.allow.function_name(node.target, f"{at} ({node.op})")
@@ -621,7 +621,7 @@ class _Encoder:
             }
         else:
             raise UnsupportedModelError(
-                f"{where or 'model'}: graph code generator {type(codegen).__name__}; qcore.save "
+                f"{where}: graph code generator {type(codegen).__name__}; qcore.save "
                 "stores torch.fx's CodeGen and _PyTreeCodeGen"
             )
         tracer = getattr(graph, "_tracer_cls", None)
@@ -638,6 +638,12 @@ _TORCH_ENUMS = {
     "memory_format": torch.memory_format,
     "qscheme": torch.qscheme,
 }
+
+
+def _class_name_of(gm: GraphModule) -> str:
+    """The name torch.fx gave the graph module's class (export's subgraphs: "<lambda>")."""
+    name = type(gm).__name__
+    return name if name.isidentifier() and not keyword.iskeyword(name) else "GraphModule"
 
 
 def _join(prefix: str, name: str) -> str:
@@ -674,7 +680,7 @@ def save(model: torch.nn.Module, f: FileLike, *, allow: Iterable[Any] = ()) -> N
     _import_qcore_classes()
     backends = _backends_of(model)
     encoder = _Encoder(_AllowList(allow, backends))
-    encoded = encoder.module(model, "")
+    encoded = encoder.module(model, "model")
     import qcore
 
     payload = {
@@ -941,10 +947,10 @@ class _Decoder:
         nodes: dict[str, Node] = {}
         outputs = 0
         for index, entry in enumerate(data["nodes"]):
-            at = f"{where or 'model'}: node {index}"
+            at = f"{where}: node {index}"
             _expect(isinstance(entry, dict), at, "a node entry", entry)
             name = _identifier(entry.get("name"), at, "name")
-            at = f"{where or 'model'}: node {name!r}"
+            at = f"{where}: node {name!r}"
             _expect(name not in nodes, at, "a name used once", name)
             op = entry.get("op")
             _expect(op in _NODE_OPS, at, f"op in {list(_NODE_OPS)}", op)
@@ -1116,7 +1122,7 @@ def load(f: FileLike, *, allow: Iterable[Any] = ()) -> torch.nn.Module:
         >>> print(qcore.explain(loaded))
     """
     payload = _read(f)
-    where = f"qcore.load: {_name_of(f)}"
+    where = f"qcore.load refused {_name_of(f)}"
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         got = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
         raise RefusedFileError(
@@ -1146,9 +1152,11 @@ def load(f: FileLike, *, allow: Iterable[Any] = ()) -> torch.nn.Module:
     _import_qcore_classes()
     decoder = _Decoder(_AllowList(allow, backends), tensors, meta)
     try:
-        return decoder.module(payload.get("model"), "")
+        return decoder.module(payload.get("model"), "model")
     except RecursionError:
         raise RefusedFileError(f"{where}: the model is nested too deeply") from None
+    except RefusedFileError as error:
+        raise RefusedFileError(f"qcore.load refused {_name_of(f)}: {error}") from None
 
 
 def _roundtrip(model: torch.nn.Module, allow: Iterable[Any] = ()) -> torch.nn.Module:
