@@ -94,3 +94,43 @@ def test_a_shape_query_reads_the_int8_tensor():
     converted = _converted(model, x, "fbgemm")
     assert _calls(converted, "call_method", "dequantize") == 1  # the output's only
     assert torch.equal(converted(x), _converted(model, x, "fbgemm", True)(x))
+
+
+class FloatFunctionals(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.add = torch.ao.nn.quantized.FloatFunctional()
+        self.cat = torch.ao.nn.quantized.FloatFunctional()
+
+    def forward(self, x):
+        return self.cat.cat([self.add.add_relu(x, x)])
+
+
+@pytest.mark.skipif(not installed("fbgemm"), reason="needs the fbgemm plugin")
+def test_float_functional_gets_no_observers_of_its_own():
+    """FloatFunctional's `activation_post_process` Identity traced as an op and got
+    observers of its own (torch.ao swaps it for FXFloatFunctional)."""
+    model, x = FloatFunctionals().eval(), torch.randn(3, 3)
+    prepared = qcore.prepare_fx(model, {"": default_qconfig}, (x,), "fbgemm")
+    observers = [n.target for n in prepared.graph.nodes if n.op == "call_module"]
+    assert observers == [f"activation_post_process_{i}" for i in range(3)]  # input, add, cat
+    assert isinstance(model.add, torch.ao.nn.quantized.FloatFunctional)  # the user's, untouched
+
+
+class Pool(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = nn.AvgPool2d(2)
+
+    def forward(self, x):
+        return self.pool(x)
+
+
+@pytest.mark.skipif(not installed("fbgemm"), reason="needs the fbgemm plugin")
+def test_a_shared_observer_has_a_name_per_call_as_in_torch_ao():
+    x = torch.randn(1, 3, 4, 4)
+    prepared = qcore.prepare_fx(Pool().eval(), {"": default_qconfig}, (x,), "fbgemm")
+    assert prepared.activation_post_process_0 is prepared.activation_post_process_1
+    prepared(x)
+    converted = qcore.convert_fx(prepared)
+    assert torch.equal(converted(x), qcore.convert_to_reference_fx(prepared)(x))

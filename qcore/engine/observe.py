@@ -28,7 +28,14 @@ from qcore.quantizer.spec import (
     SharedQuantizationSpec,
 )
 
-__all__ = ["DerivedObserver", "ObserverPlan", "SharingError", "insert_observers", "OBSERVER_PREFIX"]
+__all__ = [
+    "DerivedObserver",
+    "ObserverPlan",
+    "SharingError",
+    "insert_observers",
+    "name_observers_per_call",
+    "OBSERVER_PREFIX",
+]
 
 OBSERVER_PREFIX = "activation_post_process_"
 
@@ -386,3 +393,32 @@ def _rewire(
             for user in list(node.users):
                 if user is not observer:
                     user.replace_input_with(node, observer)
+
+
+def name_observers_per_call(gm: GraphModule, names: Iterable[str]) -> tuple[str, ...]:
+    """Give each observer call its own attribute name, numbered in graph order, as
+    torch.ao FX does: a shared observer is one instance under several names
+    (``activation_post_process_0`` and ``_1`` for a pool's input and output), so a
+    user's code that reads ``prepared.activation_post_process_N`` ports unchanged.
+    Returns every observer name in use."""
+    old_names = sorted(set(names))
+    calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target in old_names]
+    instances = {name: gm.get_submodule(name) for name in old_names}
+    for name in old_names:
+        delattr(gm, name)
+    new_names = [f"{OBSERVER_PREFIX}{index}" for index in range(len(calls))]
+    first_name: dict[str, str] = {}  # old name -> its first new name
+    for node, new_name in zip(calls, new_names, strict=True):
+        setattr(gm, new_name, instances[node.target])
+        first_name.setdefault(node.target, new_name)
+        node.target = new_name
+    for name in old_names:  # an observer no call uses (a derived one's source) is kept
+        if name not in first_name:
+            first_name[name] = f"{OBSERVER_PREFIX}{len(new_names)}"
+            new_names.append(first_name[name])
+            setattr(gm, first_name[name], instances[name])
+    for observer in instances.values():
+        if isinstance(observer, DerivedObserver):
+            observer.sources = [first_name[source] for source in observer.sources]
+    gm.recompile()
+    return tuple(new_names)

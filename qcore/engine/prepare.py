@@ -23,7 +23,7 @@ from qcore.engine.custom_modules import CustomCall, swap_observed
 from qcore.engine.explain import Entry, Report, Status, attach_report
 from qcore.engine.fuse import fuse_graph
 from qcore.engine.infer import inferred_tensor_nodes
-from qcore.engine.observe import insert_observers
+from qcore.engine.observe import insert_observers, name_observers_per_call
 from qcore.engine.qconfigs import assign_qconfigs, qconfig_equals
 from qcore.engine.trace import CustomConfig, trace
 
@@ -196,7 +196,7 @@ def prepare(
         kernels,
         is_qat,
         tuple(Accepted.of(decision) for decision in decisions),
-        tuple(plan.points_of_observer),
+        name_observers_per_call(gm, plan.points_of_observer),
         custom_calls=tuple(custom_calls.values()),
         quantized_inputs=custom_config.input_quantized_indexes,
         quantized_outputs=custom_config.output_quantized_indexes,

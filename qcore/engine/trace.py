@@ -55,11 +55,25 @@ def _failing_module_name(model: torch.nn.Module, error: BaseException) -> tuple[
     return found
 
 
+def _without_float_functional_identities(model: torch.nn.Module) -> None:
+    """torch.ao's FloatFunctional ends each op in an ``activation_post_process``
+    Identity, which traced as an op of its own and got observers of its own. Its
+    FX twin (torch.ao's own choice for FX) computes the same without it."""
+    float_functional = torch.ao.nn.quantized.FloatFunctional
+    fx_float_functional = torch.ao.nn.quantized.FXFloatFunctional
+    for name, module in list(model.named_modules()):
+        if type(module) is float_functional and name:
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, fx_float_functional())
+
+
 def trace(model: torch.nn.Module, custom_config: CustomConfig) -> GraphModule:
     """Trace a deep copy of ``model``; the user's model is never touched."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: got {describe(model)}; expected a torch.nn.Module")
     model = copy.deepcopy(model)
+    _without_float_functional_identities(model)
     tracer = QuantizationTracer(
         custom_config.non_traceable_module_names, custom_config.leaf_classes
     )
