@@ -80,10 +80,12 @@ def test_preserved_attributes_survive_prepare_and_convert():
         model, default_qconfig_mapping(), (x,), "fbgemm", {"preserved_attributes": ["attr"]}
     )
     assert prepared.attr == "kept"
+    assert copy.deepcopy(prepared).attr == "kept"  # a GraphModule's deep copy drops it
     converted = qcore.convert_fx(
         _calibrated(prepared, x), ConvertCustomConfig().set_preserved_attributes(["attr"])
     )
     assert converted.attr == "kept"
+    assert copy.deepcopy(converted).attr == "kept"
 
 
 def default_qconfig_mapping():

@@ -177,11 +177,19 @@ def as_custom_config(config: Any, where: str = "prepare_custom_config") -> Custo
     )
 
 
+# torch.fx's own key: GraphModule.__deepcopy__ sets the attributes it holds again.
+_USER_PRESERVED_ATTRIBUTES = "_user_preserved_attributes"
+
+
 def copy_preserved(source: torch.nn.Module, target: torch.nn.Module, names: Iterable[str]) -> None:
-    """Copy the attributes a custom config names from ``source`` onto ``target``."""
+    """Copy the attributes a custom config names from ``source`` onto ``target``,
+    and record them where a deep copy of ``target`` finds them."""
     for name in names:
         if not hasattr(source, name):
             raise AttributeError(
                 f"preserved_attributes: the model has no attribute {name!r} to preserve"
             )
-        setattr(target, name, getattr(source, name))
+        value = getattr(source, name)
+        setattr(target, name, value)
+        if isinstance(target, torch.fx.GraphModule):
+            target.meta.setdefault(_USER_PRESERVED_ATTRIBUTES, {})[name] = value
