@@ -1,14 +1,16 @@
-"""The ``qcore`` command.
+"""The ``qcore`` command: list the installed quantization backends, show what one
+supports, quantize the bundled example models, and run the conformance suite.
 
-Exit codes, for scripts:
+Exit codes, for scripts (``EXIT_CODES``, printed by ``qcore --help``):
 
-* 0: done, every plugin involved loaded;
-* 1: ``qcore backends`` printed its table, but at least one plugin is broken
-  (or ``qcore demo`` could not quantize a model with some backend);
-* 2: bad command line;
-* 3: the backend asked for is not installed;
-* 4: the backend asked for failed to load (the error is printed);
-* 5: ``qcore check`` ran, and at least one conformance check failed.
+* 0: done: ``backends`` found no broken plugin (a blocked plugin is not broken),
+  ``show`` printed the backend, ``demo`` quantized every model, ``check`` passed;
+* 1: ``backends --load`` printed its table, but at least one plugin is broken;
+  ``demo`` could not quantize a model with some backend;
+* 2: bad command line (unknown command or option, missing argument);
+* 3: ``show``/``check``: the backend asked for is not installed;
+* 4: ``show``/``check``: the backend asked for failed to load (the error is printed);
+* 5: ``check`` ran, and at least one conformance check failed.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from qcore.config import BackendPatternConfig, DTypeConfig, DTypeWithConstraints
+from qcore.config.errors import QCoreWarning
 from qcore.config.pattern import format_pattern
 from qcore.plugin import (
     NATIVE,
@@ -28,6 +32,7 @@ from qcore.plugin import (
     UnknownBackendError,
     default_registry,
 )
+from qcore.plugin.discovery import BLOCK_PLUGINS_ENV, DISABLE_AUTOLOAD_ENV
 
 EXIT_OK = 0
 EXIT_BROKEN_PLUGIN = 1
@@ -35,6 +40,28 @@ EXIT_USAGE = 2
 EXIT_UNKNOWN_BACKEND = 3
 EXIT_LOAD_ERROR = 4
 EXIT_CHECK_FAILED = 5
+
+DESCRIPTION = (
+    "qcore quantizes PyTorch models for int8 backends that are installed as plugins\n"
+    "(qcore-x86, qcore-fbgemm, qcore-qnnpack, or a vendor's). This command lists the\n"
+    "installed backends, shows what one supports, quantizes the bundled example\n"
+    "models with each, and runs the conformance suite on a backend."
+)
+
+EXIT_CODES = {
+    EXIT_OK: "done (backends: no plugin broken; a blocked one is not broken; check: all passed)",
+    EXIT_BROKEN_PLUGIN: "backends --load: a plugin is broken; demo: a model failed with a backend",
+    EXIT_USAGE: "bad command line",
+    EXIT_UNKNOWN_BACKEND: "show, check: the backend is not installed",
+    EXIT_LOAD_ERROR: "show, check: the backend failed to load (the error is printed)",
+    EXIT_CHECK_FAILED: "check: at least one conformance check failed",
+}
+
+
+def _exit_codes(*codes: int) -> str:
+    """The exit-code paragraph of a --help text."""
+    lines = [f"  {code}  {EXIT_CODES[code]}" for code in codes or sorted(EXIT_CODES)]
+    return "exit codes:\n" + "\n".join(lines)
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -47,30 +74,34 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _backend_rows() -> tuple[list[dict], bool]:
-    """One row per plugin, then one for native; loads every backend, each isolated."""
+def _backend_rows(load: bool) -> tuple[list[dict], bool, list[str]]:
+    """One row per plugin, then one for native, and the names of the failed plugins.
+
+    Without ``load`` nothing is imported: the rows come from package metadata.
+    With it, every backend is loaded, each isolated from the others.
+    """
     registry = default_registry()
-    rows, healthy = [], True
+    rows, healthy, failed = [], True, []
     for name in registry.names():
         if name == NATIVE:
             continue
-        backend, error = None, None
-        try:
-            backend = registry.get(name)
-        except BackendLoadError as load_error:
-            error = load_error
+        backend, error = registry.loaded(name), None
+        if load:
+            try:
+                backend = registry.get(name)
+            except BackendLoadError as load_error:
+                error = load_error
         for plugin in registry.plugins():
             if plugin.spec.backend != name:
                 continue
-            broken = plugin.state is PluginState.FAILED or (
-                error is not None and plugin.error is None
-            )
-            healthy &= not broken
             status = plugin.state.value
-            if plugin.error is not None:
+            if plugin.state is PluginState.FAILED:
                 status = f"failed: {plugin.error_summary()}"
+                healthy = False
+                failed.append(plugin.name)
             elif error is not None and plugin.state is not PluginState.BLOCKED:
-                status = f"not used: {error}"
+                status = f"not used: {name} failed to load"
+                healthy = False
             rows.append(
                 {
                     "name": name,
@@ -81,18 +112,39 @@ def _backend_rows() -> tuple[list[dict], bool]:
                     "status": status,
                 }
             )
-    native = registry.get(NATIVE)
-    rows.append(
-        {
-            "name": NATIVE,
-            "distribution": f"union of {len({p.spec.backend for p in native.plugins})} backend(s)",
-            "version": "",
-            "patterns": len(native.config),
-            "kernels": len(native.kernels),
-            "status": f"ok, {len(native.conflicts)} conflict(s)" if native.conflicts else "ok",
+    rows.append(_native_row(registry, load))
+    return rows, healthy, failed
+
+
+def _native_row(registry: Any, load: bool) -> dict:
+    native = registry.get(NATIVE) if load else registry.loaded(NATIVE)
+    if native is None:
+        served = {
+            plugin.spec.backend
+            for plugin in registry.plugins()
+            if plugin.state is not PluginState.BLOCKED
         }
-    )
-    return rows, healthy
+        return {
+            "name": NATIVE,
+            "distribution": f"union of {len(served)} backend(s)",
+            "version": "",
+            "patterns": None,
+            "kernels": None,
+            "status": PluginState.FOUND.value,
+        }
+    status = "ok"
+    if native.conflicts:
+        status += f", {len(native.conflicts)} conflict(s)"
+    if native.left_out:
+        status += f"; leaves out {', '.join(name for name, _ in native.left_out)} (failed)"
+    return {
+        "name": NATIVE,
+        "distribution": f"union of {len({p.spec.backend for p in native.plugins})} backend(s)",
+        "version": "",
+        "patterns": len(native.config),
+        "kernels": len(native.kernels),
+        "status": status,
+    }
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
@@ -101,10 +153,11 @@ def cmd_backends(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         # The table itself reports broken plugins and conflicts.
         warnings.simplefilter("ignore")
-        rows, healthy = _backend_rows()
+        rows, healthy, failed = _backend_rows(args.load)
+    code = EXIT_OK if healthy else EXIT_BROKEN_PLUGIN
     if args.json:
         print(json.dumps(rows, indent=2))
-        return EXIT_OK if healthy else EXIT_BROKEN_PLUGIN
+        return code
     header = ["NAME", "DISTRIBUTION", "VERSION", "PATTERNS", "KERNELS", "STATUS"]
     cells = [header] + [
         [
@@ -118,12 +171,22 @@ def cmd_backends(args: argparse.Namespace) -> int:
         for row in rows
     ]
     print(_table(cells))
-    if len(rows) == 1:
+    registry = default_registry()
+    if registry.autoload_disabled:
+        print(
+            f"\nPlugin autoloading is disabled ({DISABLE_AUTOLOAD_ENV} is set): installed "
+            "plugins are not read,\nonly those registered in-process. Unset it to use them."
+        )
+    elif len(rows) == 1:
         print(
             "\nNo backend plugins are installed, so 'native' is empty. Install one, e.g.\n"
             "  pip install qcore-x86      (or qcore-fbgemm, qcore-qnnpack)"
         )
-    return EXIT_OK if healthy else EXIT_BROKEN_PLUGIN
+    elif not args.load:
+        print("\nNo plugin was imported. `qcore backends --load` loads each one and checks it.")
+    if failed:
+        print(f"\nTo go on without the failed plugins, set {BLOCK_PLUGINS_ENV}={','.join(failed)}")
+    return code
 
 
 def _dtype(constrained: DTypeWithConstraints) -> str:
@@ -197,12 +260,19 @@ def show(backend: Backend) -> str:
     if backend.conflicts:
         lines += ["", f"conflicts ({len(backend.conflicts)}; the first source was kept):"]
         lines += [f"    {conflict}" for conflict in backend.conflicts]
+    if backend.left_out:
+        lines += ["", f"left out ({len(backend.left_out)} backend(s) failed to load):"]
+        lines += [f"    {name}: {error}" for name, error in backend.left_out]
     return "\n".join(lines)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    import warnings
+
     try:
-        backend = default_registry().get(args.name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", QCoreWarning)  # printed below, with the rest
+            backend = default_registry().get(args.name)
     except UnknownBackendError as error:
         print(f"qcore: {error}", file=sys.stderr)
         return EXIT_UNKNOWN_BACKEND
@@ -244,24 +314,69 @@ def cmd_check(args: argparse.Namespace) -> int:
     return EXIT_CHECK_FAILED if failed else EXIT_OK
 
 
+def _version() -> str:
+    from qcore import __version__
+
+    return f"qcore {__version__}"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qcore", description=__doc__.split("\n\n")[0])
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="qcore",
+        description=DESCRIPTION,
+        epilog=_exit_codes(),
+        formatter_class=formatter,
+    )
+    parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", required=True)
-    backends = commands.add_parser("backends", help="list installed backends and their status")
+    backends = commands.add_parser(
+        "backends",
+        help="list installed backends and their plugins (imports none unless --load)",
+        description="List the installed backends, their plugins and the plugins' state. "
+        "Reads package metadata only; no plugin is imported unless --load is given.",
+        epilog=_exit_codes(EXIT_OK, EXIT_BROKEN_PLUGIN, EXIT_USAGE),
+        formatter_class=formatter,
+    )
+    backends.add_argument(
+        "--load",
+        action="store_true",
+        help="import every plugin: count patterns and kernels, report the broken ones",
+    )
     backends.add_argument("--json", action="store_true", help="print the rows as JSON")
     backends.set_defaults(run=cmd_backends)
-    show_parser = commands.add_parser("show", help="show a backend's patterns and dtype configs")
+    show_parser = commands.add_parser(
+        "show",
+        help="show a backend's patterns and dtype configs",
+        description="Load a backend and print its patterns, dtype configs, kernels and the "
+        "conflicts between its plugins.",
+        epilog=_exit_codes(EXIT_OK, EXIT_USAGE, EXIT_UNKNOWN_BACKEND, EXIT_LOAD_ERROR),
+        formatter_class=formatter,
+    )
     show_parser.add_argument("name", help="backend name, e.g. fbgemm or native")
     show_parser.set_defaults(run=cmd_show)
     demo = commands.add_parser(
-        "demo", help="quantize the bundled example models with every installed backend"
+        "demo",
+        help="quantize the bundled example models with every installed backend",
+        description="Quantize the bundled example models with every installed backend "
+        "(FX and PT2E) and print accuracy, size and latency.",
+        epilog=_exit_codes(EXIT_OK, EXIT_BROKEN_PLUGIN, EXIT_USAGE),
+        formatter_class=formatter,
     )
     demo.add_argument("--backend", action="append", help="only this backend (repeatable)")
     demo.add_argument("--model", action="append", help="only this example model (repeatable)")
     demo.add_argument("--path", action="append", choices=["fx", "pt2e"], help="only this path")
     demo.add_argument("--batches", type=int, default=8, help="calibration batches (default 8)")
     demo.set_defaults(run=cmd_demo)
-    check = commands.add_parser("check", help="run the conformance suite on a backend")
+    check = commands.add_parser(
+        "check",
+        help="run the conformance suite on a backend",
+        description="Run the conformance suite (qcore.conformance) on an installed backend.",
+        epilog=_exit_codes(
+            EXIT_OK, EXIT_USAGE, EXIT_UNKNOWN_BACKEND, EXIT_LOAD_ERROR, EXIT_CHECK_FAILED
+        ),
+        formatter_class=formatter,
+    )
     check.add_argument("name", help="backend name")
     check.set_defaults(run=cmd_check)
     return parser

@@ -8,9 +8,13 @@ point group. The entry point's *name* is the backend the plugin serves, so
     mychip = "qcore_mychip.plugin"
 
 Several plugins may serve one name (a vendor adding kernels to ``x86``): their
-contributions are merged. Each hook receives the backend name it is asked
-about, so one module may serve several entry points. Returning ``None`` means
-"nothing to add". Implementations are marked with :data:`qcore.hookimpl`::
+contributions are merged, the backend's owner first (``qcore.plugin.registry.
+rank_plugins``). Each hook receives the backend name it is asked about, so one
+module may serve several entry points; a hook is only ever asked about the
+names its module is registered under, never ``"native"`` (native is built from
+the other backends). Returning ``None`` means "nothing to add". Whatever a hook
+raises or returns that is not what it promises fails that plugin only, with an
+error naming it. Implementations are marked with :data:`qcore.hookimpl`::
 
     from qcore import hookimpl
 
@@ -60,7 +64,8 @@ def qcore_default_qconfig_mapping(backend: str, is_qat: bool) -> Any | None:
     Called when a default mapping for ``backend`` is needed, with
     ``is_qat=True`` for quantization-aware training. Returns a QConfigMapping
     (qcore's or torch.ao's), or None to leave it to another plugin. The first
-    non-None answer wins, in plugin order.
+    non-None answer wins, the backend's owner asked first. Never called for
+    ``"native"``, whose default is qcore's own whatever is installed.
     """
 
 
@@ -71,6 +76,8 @@ def qcore_backend_quantizer(backend: str, is_qat: bool) -> Any | None:
     Called when ``prepare_pt2e`` (``is_qat=False``) or ``prepare_qat_pt2e``
     (``is_qat=True``) is given the backend's name. A Quantizer returned here
     takes precedence over the one qcore compiles from the backend's
-    BackendConfig. The first non-None answer wins. As with every hook, an
-    implementation may leave out the arguments it does not use.
+    BackendConfig. The first non-None answer wins, the backend's owner asked
+    first; other plugins' pattern configs then annotate what it leaves float
+    (``qcore.pt2e.extended``). Never called for ``"native"``. As with every
+    hook, an implementation may leave out the arguments it does not use.
     """
