@@ -21,6 +21,7 @@ from qcore.engine.observe import DerivedObserver
 from qcore.engine.prepare import STATE_KEY, PreparedState
 from qcore.engine.reference import QParams, ReferenceModule, qparams_of, weight_names
 from qcore.engine.trace import delete_unused_submodules
+from qcore.observers.nonfinite import check_observers
 
 __all__ = ["convert_to_reference", "state_of"]
 
@@ -191,6 +192,8 @@ def _replace_observer(gm: GraphModule, node: Node, observer: Any, full_range: bo
 def convert_to_reference(prepared: GraphModule, *, full_range: bool = True) -> GraphModule:
     """A converted copy of ``prepared`` in reference form; ``prepared`` is left as is."""
     state = state_of(prepared)
+    # NaN statistics are an error naming the node; skipped NaN/inf one warning
+    check_observers(("", prepared, state.observer_names))
     gm = copy.deepcopy(prepared)
     gm.eval()
     _swap_reference_modules(gm, state)

@@ -2,7 +2,9 @@
 
 Same classes, constructor arguments, attributes, buffers (state_dict keys) and
 qparams as ``torch.ao.quantization.observer`` / ``fake_quantize``; the
-HistogramObserver's range search is vectorized.
+HistogramObserver's range search is vectorized. Where torch.ao's observers fail
+or give NaN and infinite scales, on NaN, ±inf and huge calibration values,
+qcore's skip and clamp them and convert warns once (:mod:`qcore.observers.nonfinite`).
 """
 
 from qcore.observers.base import ObserverBase, PartialConstructor, UniformQuantizationObserverBase
@@ -31,6 +33,11 @@ from qcore.observers.minmax import (
     MovingAveragePerChannelMinMaxObserver,
     PerChannelMinMaxObserver,
 )
+from qcore.observers.nonfinite import (
+    RANGE_LIMIT,
+    NonFiniteStatisticsError,
+    NonFiniteValuesWarning,
+)
 
 __all__ = [
     "FakeQuantize",
@@ -42,11 +49,14 @@ __all__ = [
     "MinMaxObserver",
     "MovingAverageMinMaxObserver",
     "MovingAveragePerChannelMinMaxObserver",
+    "NonFiniteStatisticsError",
+    "NonFiniteValuesWarning",
     "NoopObserver",
     "ObserverBase",
     "PartialConstructor",
     "PerChannelMinMaxObserver",
     "PlaceholderObserver",
+    "RANGE_LIMIT",
     "ReuseInputObserver",
     "UniformQuantizationObserverBase",
     "disable_fake_quant",

@@ -10,6 +10,7 @@ are interchangeable for the engine.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch import nn
 
 __all__ = [
     "EPS",
+    "RANGE_LIMIT",
     "ObserverBase",
     "PartialConstructor",
     "UniformQuantizationObserverBase",
@@ -25,6 +27,10 @@ __all__ = [
 ]
 
 EPS = torch.finfo(torch.float32).eps
+#: The largest magnitude observers record and compute qparams from: half float32's
+#: largest value, so that a range is at most float32's largest value wide and its
+#: scale, and every value dequantized with it, stays finite. Larger values saturate.
+RANGE_LIMIT = torch.finfo(torch.float32).max / 2
 
 _PER_TENSOR = (torch.per_tensor_affine, torch.per_tensor_symmetric)
 _PER_CHANNEL = (
@@ -179,6 +185,14 @@ class UniformQuantizationObserverBase(ObserverBase):
                 f"{type(self).__name__}: unsupported dtype {dtype}; "
                 f"expected one of {', '.join(map(str, _ALLOWED_DTYPES))}"
             )
+        eps_value = float(eps)
+        if not (math.isfinite(eps_value) and eps_value > 0):
+            # eps is the smallest scale: 0 divides by zero on a constant tensor, NaN
+            # makes every scale NaN (torch.max propagates it)
+            raise ValueError(
+                f"{type(self).__name__}: eps={eps_value}; expected a finite positive number "
+                "(the smallest scale it computes)"
+            )
         self.qscheme = qscheme
         self.reduce_range = reduce_range
         self.register_buffer("eps", torch.tensor([eps], **factory_kwargs))
@@ -207,8 +221,24 @@ class UniformQuantizationObserverBase(ObserverBase):
                 stacklevel=3,
             )
             return torch.tensor([1.0], device=device), torch.tensor([0], device=device)
+        if bool(torch.isnan(min_val).any() | torch.isnan(max_val).any()):
+            # qcore's observers skip NaN; this comes from a state_dict or a subclass
+            raise ValueError(
+                f"{type(self).__name__}: min_val={min_val.tolist()}, max_val="
+                f"{max_val.tolist()} hold NaN; expected the finite range of the observed "
+                "values, from which a scale can be computed"
+            )
+        if min_val.dim() > 0:
+            # channels never observed (or only non-finite values): the qparams of zeros
+            empty = (min_val == math.inf) & (max_val == -math.inf)
+            if bool(empty.any()):
+                min_val = torch.where(empty, torch.zeros_like(min_val), min_val)
+                max_val = torch.where(empty, torch.zeros_like(max_val), max_val)
         if torch.any(min_val > max_val):
             raise ValueError(f"min {min_val} should be less than max {max_val}")
+        # a range wider than float32 can span would give an infinite scale
+        min_val = min_val.clamp(-RANGE_LIMIT, RANGE_LIMIT)
+        max_val = max_val.clamp(-RANGE_LIMIT, RANGE_LIMIT)
 
         quant_min, quant_max = self.quant_min, self.quant_max
         min_neg = torch.min(min_val, torch.zeros_like(min_val))

@@ -65,7 +65,9 @@ class FakeQuantize(FakeQuantizeBase):
     """Observe with ``observer(**observer_kwargs)``, then quantize-dequantize.
 
     ``quant_min``/``quant_max``, when both given, are passed on to the observer
-    (and checked against ``dtype``'s range).
+    (and checked against ``dtype``'s range). qcore's observers skip NaN and ±inf,
+    so a non-finite training batch leaves ``scale`` and ``zero_point`` as the
+    finite values make them (the fake-quantized output of a NaN is still NaN).
     """
 
     scale: torch.Tensor

@@ -13,6 +13,13 @@ chosen range is the same.
 The state is three buffers, ``histogram``, ``min_val`` and ``max_val``, so it
 survives ``state_dict`` and two observers' histograms can be merged
 (:meth:`HistogramObserver.merge`) the way successive batches are.
+
+NaN and ±inf are not counted (``nonfinite_skipped`` counts them; convert warns
+once), magnitudes beyond ``RANGE_LIMIT`` (1.7e38) are counted as ±RANGE_LIMIT, and
+ranges too wide for float32's arithmetic are counted and searched in units that
+are not (:mod:`qcore.observers.nonfinite`). torch.ao's observer fails on a NaN
+("torch.histc: range of [nan, nan] is not finite") and puts every value of a range
+wider than 1.7e35 in its first bin.
 """
 
 from __future__ import annotations
@@ -26,8 +33,9 @@ from typing import Any
 
 import torch
 
-from qcore.observers.base import _PER_TENSOR, EPS, UniformQuantizationObserverBase
-from qcore.observers.histogram_merge import UPSAMPLE_RATE, merge_rows, rebin_rows
+from qcore.observers.base import _PER_TENSOR, EPS, RANGE_LIMIT, UniformQuantizationObserverBase
+from qcore.observers.histogram_merge import UPSAMPLE_RATE, histc, merge_rows, rebin_rows
+from qcore.observers.nonfinite import finite_aminmax
 
 __all__ = ["HistogramObserver"]
 
@@ -36,6 +44,10 @@ _ALPHAS: list[float] = []  # alpha after k moves, accumulated exactly as torch.a
 _BETAS: list[float] = []
 _FIRST_BATCH = 8  # candidates whose errors are computed together, doubling up to _MAX_BATCH
 _MAX_BATCH = 512
+# Bins wider than this are searched in units of one bin: the L2 errors grow as the
+# bin width squared and would overflow float32 (a range of 2e9 over 2048 bins is
+# still searched in its own units, as torch.ao does).
+_WIDEST_BIN = 1e6
 
 
 def _quantile_steps() -> tuple[list[float], list[float]]:
@@ -92,7 +104,12 @@ def _candidates(csum: list[float], total: float, bins: int):
 class HistogramObserver(UniformQuantizationObserverBase):
     """Records a ``bins``-bin histogram of the observed values; ``calculate_qparams``
     picks the range minimizing the L2 quantization error, then qparams as
-    :class:`MinMaxObserver` computes them for that range."""
+    :class:`MinMaxObserver` computes them for that range.
+
+    NaN and ±inf values are skipped and counted in ``nonfinite_skipped`` (convert
+    warns once, naming the observers); magnitudes beyond ``RANGE_LIMIT`` (1.7e38)
+    count as ``±RANGE_LIMIT``, so the scale is always finite and positive.
+    """
 
     histogram: torch.Tensor
     min_val: torch.Tensor
@@ -156,11 +173,11 @@ class HistogramObserver(UniformQuantizationObserverBase):
         """Add the values ``x`` (within [x_min, x_max]), growing the range as needed;
         merging another histogram is :meth:`merge`."""
         if self.min_val == float("inf") or self.max_val == float("-inf"):
-            self._store(torch.histc(x, self.bins, min=x_min, max=x_max), x_min, x_max)
+            self._store(histc(x, self.bins, x_min, x_max), x_min, x_max)
             return
         new_lo = torch.min(self.min_val, x_min).detach()
         new_hi = torch.max(self.max_val, x_max).detach()
-        update = torch.histc(x, self.bins, min=new_lo, max=new_hi).to(self.histogram.device)
+        update = histc(x, self.bins, new_lo, new_hi).to(self.histogram.device)
         if new_lo == self.min_val and new_hi == self.max_val:
             self._store(self.histogram + update, new_lo, new_hi)
         else:
@@ -171,13 +188,14 @@ class HistogramObserver(UniformQuantizationObserverBase):
         if x_orig.numel() == 0:
             return x_orig
         x = x_orig.detach()
-        x_min, x_max = torch.aminmax(x)
-        if x_min == -math.inf or x_max == math.inf:
-            warnings.warn("HistogramObserver: ignoring infinite values", stacklevel=2)
-            x = x[x.abs() != math.inf]
-            if x.numel() == 0:
-                return x_orig
-            x_min, x_max = torch.aminmax(x)
+        extremes = finite_aminmax(self, x)
+        if extremes is None:  # every value was NaN or infinite
+            return x_orig
+        x_min, x_max = extremes
+        # histc leaves out NaN and values outside [x_min, x_max], ±inf among them;
+        # finite values beyond the limit are counted at its ends
+        if bool((x_min == -RANGE_LIMIT) | (x_max == RANGE_LIMIT)):
+            x = torch.where(torch.isfinite(x), x.clamp(-RANGE_LIMIT, RANGE_LIMIT), math.nan)
         self._record(x, x_min, x_max)
         return x_orig
 
@@ -229,6 +247,8 @@ class HistogramObserver(UniformQuantizationObserverBase):
                 f"histogram has {self.histogram.numel()} bins, the observer {self.bins}"
             )
         bin_width = (self.max_val.item() - self.min_val.item()) / self.bins
+        if bin_width > _WIDEST_BIN:
+            bin_width = 1.0  # the errors scale with the width squared: the same choice
         csum = torch.cumsum(self.histogram, dim=0).tolist()
         total = torch.sum(self.histogram).item()
         walk = _candidates(csum, total, self.bins)

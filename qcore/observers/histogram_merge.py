@@ -15,11 +15,26 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["UPSAMPLE_RATE", "merge_rows", "rebin_rows"]
+__all__ = ["UPSAMPLE_RATE", "histc", "merge_rows", "rebin_rows"]
 
 #: Parts per bin when re-binning (torch.ao's HistogramObserver.upsample_rate).
 UPSAMPLE_RATE = 16
 _F64 = torch.float64
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def histc(x: torch.Tensor, bins: int, lo: float | torch.Tensor, hi: float | torch.Tensor):
+    """``torch.histc(x, bins, lo, hi)`` in ``x``'s dtype, correct for huge ranges too.
+
+    histc computes ``(x - lo) * bins`` in ``x``'s dtype: when that passes float32's
+    largest value (ranges wider than 1.7e35 for 2048 bins) it puts every value in the
+    first bin, so such ranges are counted in float64. NaN and values outside
+    [lo, hi] (±inf among them) are not counted.
+    """
+    low, high = float(lo), float(hi)
+    if (high - low) * bins < _F32_MAX / 2:
+        return torch.histc(x, bins, min=lo, max=hi)
+    return torch.histc(x.double(), bins, min=low, max=high).to(x.dtype)
 
 
 def _count_below(middles: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
@@ -84,7 +99,7 @@ def rebin_rows(
     result = (through[:, 1:] - through[:, :-1]).clamp_(min=0).to(hist.dtype)
     for row in (r for r in range(rows) if single[r]):
         value = lo[row].reshape(1)
-        lump = torch.histc(value, bins=bins, min=float(new_lo[row]), max=float(new_hi[row]))
+        lump = histc(value, bins, new_lo[row], new_hi[row])
         result[row] = lump * hist[row].sum()
     return result
 

@@ -1,4 +1,9 @@
-"""Min/max observers: running or moving-average, per tensor or per channel."""
+"""Min/max observers: running or moving-average, per tensor or per channel.
+
+NaN and ±inf are skipped and counted (``nonfinite_skipped``); magnitudes beyond
+``RANGE_LIMIT`` are recorded as ``±RANGE_LIMIT`` (:mod:`qcore.observers.nonfinite`
+says why). A tensor without a finite value is not a batch for a moving average.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from typing import Any
 import torch
 
 from qcore.observers.base import _PER_CHANNEL, _PER_TENSOR, EPS, UniformQuantizationObserverBase
+from qcore.observers.nonfinite import finite_aminmax, finite_aminmax_rows
 
 __all__ = [
     "MinMaxObserver",
@@ -17,14 +23,20 @@ __all__ = [
 
 
 def _register_batch_counter(observer: torch.nn.Module) -> None:
-    """``batches_observed``: how many non-empty tensors a moving average has seen, the
-    weight of its averages when several processes' observers are merged
+    """``batches_observed``: how many tensors with a finite value a moving average has
+    seen, the weight of its averages when several processes' observers are merged
     (:func:`qcore.sync_observers`). Not persistent: state_dicts keep torch.ao's keys."""
     observer.register_buffer("batches_observed", torch.tensor(0), persistent=False)
 
 
 class MinMaxObserver(UniformQuantizationObserverBase):
-    """qparams from the running minimum and maximum of everything observed."""
+    """qparams from the running minimum and maximum of everything observed.
+
+    Unlike torch.ao's, which propagates a NaN into every later scale, NaN and ±inf
+    values are skipped and counted in ``nonfinite_skipped`` (convert warns once,
+    naming the observers), and magnitudes beyond ``RANGE_LIMIT`` (1.7e38) are
+    recorded as ``±RANGE_LIMIT``, so the scale is always finite and positive.
+    """
 
     min_val: torch.Tensor
     max_val: torch.Tensor
@@ -70,7 +82,9 @@ class MinMaxObserver(UniformQuantizationObserverBase):
         if x_orig.numel() == 0:
             return x_orig
         x = x_orig.detach().to(self.min_val.dtype)
-        self._update(*torch.aminmax(x))
+        extremes = finite_aminmax(self, x)
+        if extremes is not None:  # else every value was NaN or infinite
+            self._update(*extremes)
         return x_orig
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,12 +132,8 @@ class MovingAverageMinMaxObserver(MinMaxObserver):
         )
         _register_batch_counter(self)
 
-    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
-        if x_orig.numel() != 0:
-            self.batches_observed += 1
-        return super().forward(x_orig)
-
     def _update(self, x_min: torch.Tensor, x_max: torch.Tensor) -> None:
+        self.batches_observed += 1  # a tensor with finite values
         if self.min_val == float("inf") and self.max_val == float("-inf"):
             self.min_val.copy_(x_min)
             self.max_val.copy_(x_max)
@@ -133,13 +143,20 @@ class MovingAverageMinMaxObserver(MinMaxObserver):
             self.max_val.copy_(self.max_val + c * (x_max - self.max_val))
 
 
-def _per_channel_aminmax(x: torch.Tensor, ch_axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _per_channel_aminmax(
+    observer: torch.nn.Module, x: torch.Tensor, ch_axis: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     rows = torch.flatten(x.transpose(0, ch_axis), start_dim=1)
-    return torch.aminmax(rows, dim=1)
+    return finite_aminmax_rows(observer, rows)
 
 
 class PerChannelMinMaxObserver(UniformQuantizationObserverBase):
-    """Running min and max of each slice along ``ch_axis``; one (scale, zero_point) each."""
+    """Running min and max of each slice along ``ch_axis``; one (scale, zero_point) each.
+
+    NaN and ±inf values are skipped and counted in ``nonfinite_skipped``, as by
+    :class:`MinMaxObserver`; a channel that never held a finite value gets the
+    qparams of zeros.
+    """
 
     min_val: torch.Tensor
     max_val: torch.Tensor
@@ -181,14 +198,21 @@ class PerChannelMinMaxObserver(UniformQuantizationObserverBase):
         self.register_buffer("max_val", torch.tensor([], **factory_kwargs))
         self._reject_symmetric_reduced_quint8()
 
+    def _observed(self) -> None:
+        """Called for each tensor with a finite value (moving averages count them)."""
+
     def _combine(self, cur: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        # a channel without finite values in ``cur`` is (inf, -inf): it keeps its range
         return torch.min(cur[0], self.min_val), torch.max(cur[1], self.max_val)
 
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
         if x_orig.numel() == 0:
             return x_orig
         x = x_orig.detach().to(self.min_val.dtype)
-        current = _per_channel_aminmax(x, self.ch_axis)
+        current = _per_channel_aminmax(self, x, self.ch_axis)
+        if current is None:  # every value was NaN or infinite
+            return x_orig
+        self._observed()
         if self.min_val.numel() == 0 or self.max_val.numel() == 0:
             min_val, max_val = current
         else:
@@ -245,14 +269,17 @@ class MovingAveragePerChannelMinMaxObserver(PerChannelMinMaxObserver):
         self.averaging_constant = averaging_constant
         _register_batch_counter(self)
 
-    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
-        if x_orig.numel() != 0:
-            self.batches_observed += 1
-        return super().forward(x_orig)
+    def _observed(self) -> None:
+        self.batches_observed += 1
 
     def _combine(self, cur: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.averaging_constant
+        lo, hi = self.min_val, self.max_val
+        averaged = lo + c * (cur[0] - lo), hi + c * (cur[1] - hi)
+        # A channel without finite values in ``cur`` (inf, -inf) keeps its average; one
+        # without any before takes ``cur``'s (inf + c * (x - inf) would be NaN).
+        now, before = torch.isfinite(cur[0]), torch.isfinite(lo)
         return (
-            self.min_val + c * (cur[0] - self.min_val),
-            self.max_val + c * (cur[1] - self.max_val),
+            torch.where(now, torch.where(before, averaged[0], cur[0]), lo),
+            torch.where(now, torch.where(before, averaged[1], cur[1]), hi),
         )

@@ -24,6 +24,7 @@ from qcore.engine.explain import Entry, Report, Status, attach_report, report_of
 from qcore.engine.lower import lower as lower_to_kernels
 from qcore.engine.observe import DerivedObserver
 from qcore.engine.reference import QParams, qparams_of
+from qcore.observers.nonfinite import check_observers
 from qcore.pt2e.graph import refuse_train_eval
 from qcore.pt2e.guard import ExportedCodeTracer
 from qcore.pt2e.patterns import packet
@@ -174,6 +175,8 @@ def convert_reference(
     (weights) now, keeping their integers.
     """
     state = _state_of(prepared)
+    # NaN statistics are an error naming the node; skipped NaN/inf one warning
+    check_observers(*_observed_graphs(prepared, state), stage="convert_pt2e")
     # Derived observers keep their spec, which names graph nodes: share it
     # (it is frozen) rather than deep-copy nodes with their fake tensors.
     memo = {
@@ -190,6 +193,17 @@ def convert_reference(
     del gm.meta[PT2E_STATE_KEY]
     attach_report(gm, _reference_report(report_of(prepared), gm, state, why))
     return gm
+
+
+def _observed_graphs(gm: GraphModule, state: Pt2eState, prefix: str = "") -> list[tuple]:
+    """(prefix, graph, observer names) of ``gm`` and of its control-flow subgraphs."""
+    graphs = [(prefix, gm, state.observer_names)]
+    for name in control_flow_subgraphs(gm):
+        sub = gm.get_submodule(name)
+        sub_state = sub.meta.get(PT2E_STATE_KEY) if isinstance(sub, GraphModule) else None
+        if sub_state is not None:
+            graphs += _observed_graphs(sub, sub_state, f"{prefix}.{name}" if prefix else name)
+    return graphs
 
 
 def _delete_unused_constants(gm: GraphModule) -> None:
