@@ -39,6 +39,7 @@ import os
 import pickle
 import re
 import sys
+import warnings
 from collections.abc import Callable, Iterable
 from typing import IO, Any
 
@@ -173,7 +174,9 @@ class _AllowList:
                     f"allow: got {item!r}; expected classes (nn.Module subclasses, "
                     "dataclasses, enums) or functions"
                 )
-        self.function_names = {id(value): name for name, value in self.functions.items()}
+        self.function_names: dict[int, str] = {}
+        for name, value in self.functions.items():  # torch.relu before its other names
+            self.function_names.setdefault(id(value), name)
         self.tensor_methods = {
             name
             for name in dir(torch.Tensor)
@@ -302,7 +305,8 @@ class _AllowList:
             for prefix in _TRUSTED_TORCH
         )
         segments = qualname.split(".")
-        if not trusted or any(not s.isidentifier() or s.startswith("__") for s in segments):
+        names = [*module_name.split("."), *segments]
+        if not trusted or any(not s.isidentifier() or s.startswith("__") for s in names):
             raise RefusedFileError(
                 f"{where}: class {key} is not one qcore.load rebuilds (torch.nn, torch.ao.nn, "
                 "qcore and installed backend plugins); pass the class in allow=[...] if you "
@@ -1083,26 +1087,38 @@ def _name_of(f: Any) -> str:
 def _read(f: FileLike) -> Any:
     """torch.load with weights_only=True: tensors and plain containers, no code."""
     try:
-        return torch.load(f, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            # torch.load's notice that it would hand a TorchScript archive to
+            # torch.jit.load: with weights_only=True it refuses it instead.
+            warnings.filterwarnings("ignore", "'torch.load' received a zip file", UserWarning)
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
     except pickle.UnpicklingError as error:
-        first = str(error).strip().splitlines()
-        detail = next((line for line in first if "GLOBAL" in line or "Unsupported" in line), "")
+        lines = str(error).strip().splitlines()
+        named = next((line.strip() for line in lines if "GLOBAL" in line), "")
+        if named:
+            raise RefusedFileError(
+                f"qcore.load refused {_name_of(f)}: it names Python objects to build, not plain "
+                f"data ({named.split(' was not')[0]}): torch.load(weights_only=False) would "
+                "run code from the file to build them. Nothing from it ran. qcore.load reads "
+                "files written by qcore.save (a whole-model torch.save file runs code when "
+                "loaded: load it only if you trust it, then qcore.save it)"
+            ) from None
         raise RefusedFileError(
-            f"qcore.load refused {_name_of(f)}: it holds Python objects that run code when "
-            f"unpickled, not plain data ({detail.strip() or type(error).__name__}). Nothing from "
-            "it ran. qcore.load reads files written by qcore.save; a whole-model torch.save "
-            "file runs code from the file when loaded: load it only if you trust it, then "
-            "qcore.save it"
+            f"qcore.load refused {_name_of(f)}: torch.load(weights_only=True) cannot read it "
+            f"({lines[-1] if lines else type(error).__name__}); qcore.load reads files written "
+            "by qcore.save"
         ) from None
-    except RuntimeError as error:
+    except Exception as error:
         if "TorchScript" in str(error):
             raise RefusedFileError(
                 f"qcore.load refused {_name_of(f)}: it is a TorchScript archive "
                 "(torch.jit.save), which holds code; qcore.load reads files written by qcore.save"
             ) from None
         raise RefusedFileError(
-            f"qcore.load refused {_name_of(f)}: torch.load(weights_only=True) cannot read it: "
-            f"{error}"
+            f"qcore.load refused {_name_of(f)}: torch.load(weights_only=True) cannot read it "
+            f"({type(error).__name__}: {error}); qcore.load reads files written by qcore.save"
         ) from None
 
 
@@ -1134,13 +1150,14 @@ def load(f: FileLike, *, allow: Iterable[Any] = ()) -> torch.nn.Module:
             f"{where}: version {version!r}; this qcore reads versions 1 to {VERSION}"
         )
     tensors, meta = payload.get("tensors"), payload.get("tensor_meta", {})
-    _expect(
-        isinstance(tensors, dict)
-        and all(isinstance(k, str) and type(v) is torch.Tensor for k, v in tensors.items()),
-        where,
-        "'tensors' as a dict of tensors",
-        type(tensors).__name__,
-    )
+    _expect(isinstance(tensors, dict), where, "'tensors' as a dict", type(tensors).__name__)
+    for key, value in tensors.items():
+        _expect(
+            isinstance(key, str) and type(value) is torch.Tensor,
+            where,
+            "'tensors' to hold tensors",
+            f"{key!r}: {type(value).__name__}",
+        )
     _expect(isinstance(meta, dict), where, "'tensor_meta' as a dict", type(meta).__name__)
     backends = payload.get("backends", [])
     _expect(
