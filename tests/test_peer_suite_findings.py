@@ -134,3 +134,14 @@ def test_a_shared_observer_has_a_name_per_call_as_in_torch_ao():
     prepared(x)
     converted = qcore.convert_fx(prepared)
     assert torch.equal(converted(x), qcore.convert_to_reference_fx(prepared)(x))
+
+
+@pytest.mark.skipif(not installed("fbgemm"), reason="needs the fbgemm plugin")
+@pytest.mark.parametrize("convert", [qcore.convert_fx, qcore.convert_to_reference_fx])
+def test_nodes_keep_the_stack_trace_of_the_users_forward(convert):
+    x = torch.randn(2, 2, 4, 4)
+    prepared = qcore.prepare_fx(ShapeBetweenConvs().eval(), {"": default_qconfig}, (x,), "fbgemm")
+    prepared(x)
+    for model in (prepared, convert(prepared)):
+        conv = next(n for n in model.graph.nodes if n.target == "conv1")
+        assert "x = self.conv1(x)" in conv.stack_trace

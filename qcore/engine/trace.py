@@ -34,6 +34,9 @@ class TraceFailure(RuntimeError):
 class QuantizationTracer(Tracer):
     def __init__(self, skipped_names: Iterable[str], skipped_classes: Iterable[type]) -> None:
         super().__init__()
+        # Each node keeps the line of the user's forward it came from, through
+        # convert and lowering, so an error or a profile points at the user's code.
+        self.record_stack_traces = True
         self.skipped_names = set(skipped_names)
         self.skipped_classes = tuple(skipped_classes)
 
