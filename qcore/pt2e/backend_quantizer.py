@@ -140,6 +140,12 @@ class BackendQuantizer(Quantizer):
     As on the FX path (and in torch.ao), observers built from a QConfig choose
     qparams for their own range (``reduce_range`` halves it) while convert
     quantizes over the dtype's full range: ``full_range`` is True.
+
+    ``only_unannotated=True`` runs it after another quantizer
+    (:class:`qcore.pt2e.extended.ExtendedQuantizer`): it annotates only nodes the
+    other left alone. A match touching an annotated node is recorded in
+    ``shadowed`` as (node, pattern); the reason a node stays float goes to
+    ``rejected`` as (node, reason), leaving the other quantizer's reason in place.
     """
 
     full_range = True
@@ -151,6 +157,7 @@ class BackendQuantizer(Quantizer):
         *,
         is_qat: bool = False,
         backend_name: str | None = None,
+        only_unannotated: bool = False,
     ) -> None:
         if not isinstance(backend_config, BackendConfig):
             raise TypeError(
@@ -166,6 +173,9 @@ class BackendQuantizer(Quantizer):
             qconfig_mapping = default(self.backend_name)
         self.qconfig_mapping = qconfig_mapping
         self.rules, self.untranslated = _compile(backend_config)
+        self.only_unannotated = only_unannotated
+        self.shadowed: list[tuple[Node, str]] = []
+        self.rejected: list[tuple[Node, str]] = []
 
     @classmethod
     def for_backend(cls, name: str, qconfig_mapping: Any = None, *, is_qat: bool = False):
@@ -189,6 +199,7 @@ class BackendQuantizer(Quantizer):
         return model
 
     def _match(self, model: GraphModule) -> dict[Node, tuple]:
+        self.shadowed, self.rejected = [], []
         matched: dict[Node, tuple] = {}
         for node in reversed(model.graph.nodes):
             if node.op != "call_function" or node in matched:
@@ -198,6 +209,11 @@ class BackendQuantizer(Quantizer):
                 nodes = match_aten(node, rule.pattern)
                 if not nodes or any(n in matched for n in nodes):
                     continue
+                if self.only_unannotated and any(_annotated(n) for n in nodes):
+                    # Another quantizer has it: record the overlap, leave its annotations.
+                    if _annotated(node):
+                        self.shadowed.append((node, rule.configs[0].describe_pattern()))
+                    continue
                 accepted, reason = self._decide(nodes, rule)
                 if accepted is None:
                     reasons.append(reason)
@@ -205,13 +221,19 @@ class BackendQuantizer(Quantizer):
                 for member in nodes:
                     matched[member] = accepted
                     member.meta[PATTERN_KEY] = accepted[1].describe_pattern()
+                    member.meta.pop(REASON_KEY, None)  # an earlier quantizer's "why not"
                 break
-            if node not in matched and node.meta.get(ANNOTATION_KEY) is None:
-                node.meta[REASON_KEY] = (
-                    reasons[0]
-                    if reasons
-                    else (f"no pattern in backend {self.backend_name!r} matches {packet(node)}")
-                )
+            if node in matched or _annotated(node):
+                continue
+            if self.only_unannotated:
+                if reasons:
+                    self.rejected.append((node, reasons[0]))
+                continue
+            node.meta[REASON_KEY] = (
+                reasons[0]
+                if reasons
+                else (f"no pattern in backend {self.backend_name!r} matches {packet(node)}")
+            )
         return matched
 
     def _decide(self, nodes: list[Node], rule: _Rule) -> tuple[tuple | None, str]:
@@ -268,6 +290,10 @@ def _annotate_match(
             output.output_qspec = SharedQuantizationSpec(edges[0])
     elif is_quantized_dtype(dtype_config.output_dtype) and act is not None:
         output.output_qspec = act
+
+
+def _annotated(node: Node) -> bool:
+    return node.meta.get(ANNOTATION_KEY) is not None
 
 
 def _annotation(node: Node) -> QuantizationAnnotation:

@@ -2,8 +2,10 @@
 
 The quantizer is a :class:`qcore.Quantizer` or a backend name. For a name, the
 backend plugin's own Quantizer (``qcore_backend_quantizer`` hook) is used if it
-has one, else the one compiled from its BackendConfig. Observers are inserted
-by the engine both front doors share (``qcore.engine.observe``).
+has one, extended by what other distributions add to that backend, else the one
+compiled from its BackendConfig; "native" is always compiled from the union
+(:mod:`qcore.pt2e.extended`). Observers are inserted by the engine both front
+doors share (``qcore.engine.observe``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch.fx import GraphModule, Node
 from qcore.config.errors import describe
 from qcore.engine.explain import Entry, Report, Status, attach_report
 from qcore.engine.observe import ObserverPlan, insert_observers
-from qcore.pt2e.backend_quantizer import PATTERN_KEY, REASON_KEY, BackendQuantizer
+from qcore.pt2e.backend_quantizer import PATTERN_KEY, REASON_KEY
 from qcore.pt2e.fold import fold_conv_bn, fold_linear_bn
 from qcore.pt2e.foreign import (
     ForeignQuantizer,
@@ -79,16 +81,10 @@ def resolve_quantizer(quantizer: Any, is_qat: bool) -> tuple[Quantizer, str, tup
     """(quantizer, backend name, kernels) for a Quantizer or a backend name."""
     if isinstance(quantizer, str):
         from qcore.plugin import get_backend
+        from qcore.pt2e.extended import quantizer_for_backend
 
         backend = get_backend(quantizer)
-        own = backend.quantizer(is_qat=is_qat)
-        if own is not None and not isinstance(own, Quantizer):
-            raise TypeError(
-                f"backend {backend.name!r}: qcore_backend_quantizer returned {describe(own)}; "
-                "expected a qcore.Quantizer"
-            )
-        chosen = own or BackendQuantizer(backend.config, is_qat=is_qat, backend_name=backend.name)
-        return chosen, backend.name, backend.kernels
+        return quantizer_for_backend(backend, is_qat), backend.name, backend.kernels
     if isinstance(quantizer, Quantizer):
         name = getattr(quantizer, "backend_name", None) or type(quantizer).__name__
         kernels: tuple = tuple(getattr(quantizer, "kernels", ()) or ())
@@ -155,8 +151,10 @@ def _report(gm: GraphModule, backend: str, observer_names: set[str]) -> Report:
             kind = "observer" if node.target in observer_names else op
             entries.append(Entry(node.name, kind, Status.NOT_AN_OP))
         elif node.meta.get(PATTERN_KEY) or node.meta.get("quantization_annotation"):
+            # A reason on a quantized node says what was not used (qcore.pt2e.extended).
+            reason = node.meta.get(REASON_KEY) or ""
             entries.append(
-                Entry(node.name, op, Status.QUANTIZED, "", node.meta.get(PATTERN_KEY, ""))
+                Entry(node.name, op, Status.QUANTIZED, reason, node.meta.get(PATTERN_KEY, ""))
             )
         else:
             reason = node.meta.get(REASON_KEY) or "the quantizer did not annotate it"

@@ -1,0 +1,1 @@
+"""qcore-acme: a vendor backend whose choices must not leak into "native"."""
