@@ -106,8 +106,17 @@ def test_native_accepts_linear_relu_under_qnnpack_symmetric_qconfig():
     )
 
 
-def test_cli_backends_table():
+def test_cli_backends_lists_without_importing():
     result = run_cli("backends")
+    assert result.returncode == 0, result.stderr  # nothing imported: nothing found broken
+    table = result.stdout.split("\n\n")[0]
+    rows = [line.split() for line in table.splitlines()[2:]]
+    assert {row[0] for row in rows} == EXPECTED_NAMES | {"native"}
+    assert all(row[-2:] == ["not", "loaded"] for row in rows), result.stdout
+
+
+def test_cli_backends_table():
+    result = run_cli("backends", "--load")
     lines = result.stdout.splitlines()
     assert lines[0].split() == ["NAME", "DISTRIBUTION", "VERSION", "PATTERNS", "KERNELS", "STATUS"]
     rows = {line.split()[0]: line for line in lines[2:] if line and not line.startswith(" ")}
@@ -119,10 +128,24 @@ def test_cli_backends_table():
     assert result.returncode == (1 if BROKEN else 0), result.stderr
     if not EXPECTED_NAMES:
         assert "No backend plugins are installed" in result.stdout
+    if BROKEN:
+        assert "leaves out " in rows["native"] and "(failed)" in rows["native"]
+        blocked = ",".join(f"qcore-broken:{name}" for name in sorted(BROKEN))
+        assert f"QCORE_BLOCK_PLUGINS={blocked}" in result.stdout
+        # Blocked, the broken plugins are not broken: exit 0.
+        env = dict(os.environ, QCORE_BLOCK_PLUGINS="qcore-broken")
+        quiet = subprocess.run(
+            [sys.executable, "-m", "qcore", "backends", "--load"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        assert quiet.returncode == 0, quiet.stdout + quiet.stderr
 
 
 def test_cli_backends_json_matches_the_api():
-    rows = json.loads(run_cli("backends", "--json").stdout)
+    rows = json.loads(run_cli("backends", "--load", "--json").stdout)
     assert {row["name"] for row in rows} == EXPECTED_NAMES | {"native"}
 
 
@@ -157,7 +180,8 @@ def test_third_party_backend_is_discovered_like_any_other():
 @thirdparty
 def test_a_vendor_adds_a_dtype_config_to_a_backend_it_does_not_own():
     backend = qcore.get_backend("x86")
-    assert [p.spec.distribution for p in backend.plugins] == ["qcore-mychip", "qcore-x86"]
+    # The backend's owner ranks first, though qcore-mychip sorts before it.
+    assert [p.spec.distribution for p in backend.plugins] == ["qcore-x86", "qcore-mychip"]
     linear = backend.config.get(torch.nn.Linear)
     constrained = [
         d for d in linear.dtype_configs if d.input_dtype_with_constraints.has_constraints
@@ -165,7 +189,6 @@ def test_a_vendor_adds_a_dtype_config_to_a_backend_it_does_not_own():
     assert (
         constrained and constrained[0].input_dtype_with_constraints.scale_min_lower_bound == 2**-12
     )
-    # qcore-mychip comes first in name order but sets no root module: x86's is kept.
     assert linear.root_module is torch.nn.Linear and linear.qat_module is not None
 
 
@@ -196,7 +219,9 @@ def test_native_leaves_out_broken_backends_with_one_warning():
     with pytest.warns(qcore.QCoreWarning, match="failed to load") as record:
         native = registry.get("native")
     assert len([w for w in record if "failed to load" in str(w.message)]) == 1
-    assert {p.spec.backend for p in native.plugins} == HEALTHY == {"mychip", "onednn", "x86"}
+    assert {p.spec.backend for p in native.plugins} == HEALTHY
+    assert HEALTHY == {"acme", "mychip", "onednn", "x86"}
+    assert sorted(name for name, _ in native.left_out) == sorted(BROKEN)
 
 
 @thirdparty
@@ -213,3 +238,23 @@ def test_blocking_a_plugin_by_environment_variable():
         text=True,
     )
     assert out.stdout.strip() == "['native']"
+
+
+@thirdparty
+def test_a_vendor_ignoring_backend_does_not_decide_native():
+    """qcore-acme answers every hook whatever `backend` says, and "acme" sorts before
+    every first-party backend: native's defaults must not come from it."""
+    from qcore.config.qconfig import default_qconfig_mapping
+
+    native = qcore.get_backend("native")
+    assert native.default_qconfig_mapping() is None  # no plugin is asked for native
+    mapping = qcore.get_default_qconfig_mapping("native")
+    expected = default_qconfig_mapping("x86").global_qconfig
+    assert repr(mapping.global_qconfig) == repr(expected)
+    fused = native.config.get((torch.nn.ReLU, torch.nn.Conv2d))
+    assert fused.fused_module is torch.ao.nn.intrinsic.ConvReLU2d
+    assert any(c.ignored_source == "acme" and c.field == "fuser_method" for c in native.conflicts)
+    # acme's own backend still gets acme's choices.
+    assert qcore.get_default_qconfig_mapping("acme").global_qconfig is not None
+    acme_fused = qcore.get_backend("acme").config.get((torch.nn.ReLU, torch.nn.Conv2d))
+    assert acme_fused.fused_module.__name__ == "AcmeConvReLU2d"
