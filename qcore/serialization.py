@@ -440,6 +440,7 @@ class _Encoder:
         self.tensor_meta: dict[str, dict] = {}
         self._keys: dict[int, str] = {}
         self._keep: list[Any] = []  # keeps ids stable while encoding
+        self._module_paths: dict[int, str] = {}
 
     def tensor(self, value: torch.Tensor, where: str) -> dict:
         key = self._keys.get(id(value))
@@ -523,6 +524,11 @@ class _Encoder:
         )
 
     def module(self, module: torch.nn.Module, where: str) -> dict:
+        first = self._module_paths.get(id(module))
+        if first is not None:  # one module under two names (a shared observer) stays one
+            return {"kind": "alias", "path": first}
+        self._module_paths[id(module)] = where
+        self._keep.append(module)
         if isinstance(module, GraphModule):
             return self.graph_module(module, where)
         cls = self.allow.class_name(type(module), where, "module")
@@ -729,6 +735,7 @@ class _Decoder:
         self._raw = tensors
         self._meta = meta
         self._tensors: dict[str, torch.Tensor] = {}
+        self._modules: dict[str, torch.nn.Module] = {}
 
     def tensor(self, key: Any, where: str) -> torch.Tensor:
         _expect(isinstance(key, str) and key in self._raw, where, "a key of the tensor table", key)
@@ -828,9 +835,19 @@ class _Decoder:
     def module(self, data: Any, where: str) -> torch.nn.Module:
         _expect(isinstance(data, dict), where, "a module entry", data)
         kind = data.get("kind")
+        if kind == "alias":
+            path = data.get("path")
+            _expect(path in self._modules, where, "the path of a module read before", path)
+            return self._modules[path]
         if kind == "graph_module":
-            return self.graph_module(data, where)
-        _expect(kind == "module", where, "kind 'module' or 'graph_module'", kind)
+            module: torch.nn.Module = self.graph_module(data, where)
+        else:
+            _expect(kind == "module", where, "kind 'module', 'graph_module' or 'alias'", kind)
+            module = self._plain_module(data, where)
+        self._modules[where] = module
+        return module
+
+    def _plain_module(self, data: dict, where: str) -> torch.nn.Module:
         cls = self.allow.resolve_class(data.get("class"), where, "module")
         state = self._structure(data, where)
         attributes = self._attributes(data, where)
