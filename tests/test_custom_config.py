@@ -233,13 +233,26 @@ def test_input_quantized_indexes_take_a_quantized_tensor(convert):
     assert torch.equal(model(x), convert(plain)(x))  # a float input passes too
 
 
-def test_an_output_that_is_not_quantized_cannot_leave_as_int8():
+def test_an_output_after_a_float_op_is_observed_to_leave_as_int8():
+    """torch.ao's rule: an output asked for as int8 is observed even when the op
+    before it (Softplus here) stays float."""
     model, x = nn.Sequential(nn.Linear(4, 4), nn.Softplus()).eval(), torch.randn(8, 4)
     config = {"output_quantized_idxs": [0]}
     prepared = _calibrated(
         qcore.prepare_fx(model, default_qconfig_mapping(), (x,), "fbgemm", config), x
     )
-    with pytest.raises(UnsupportedSetting, match="output_quantized_indexes: output 0 is not"):
+    got = qcore.convert_fx(prepared)(x)
+    assert got.dtype == torch.quint8
+    assert (got.dequantize() - model(x)).abs().max() < 0.05
+
+
+def test_an_output_index_beyond_the_outputs_is_an_error_naming_it():
+    model, x = TwoLinears().eval(), torch.randn(8, 4)
+    config = {"output_quantized_idxs": [1]}
+    prepared = _calibrated(
+        qcore.prepare_fx(model, default_qconfig_mapping(), (x,), "fbgemm", config), x
+    )
+    with pytest.raises(UnsupportedSetting, match="output_quantized_indexes: got 1; the model"):
         qcore.convert_fx(prepared)
 
 

@@ -60,7 +60,8 @@ class Decision:
     dtype_config: DTypeConfig
 
 
-def _spec_from_ctr(ctr: Any, cache: dict[int, QuantizationSpec]) -> QuantizationSpec:
+def spec_from_ctr(ctr: Any, cache: dict[int, QuantizationSpec]) -> QuantizationSpec:
+    """The QuantizationSpec an observer constructor describes (cached by constructor)."""
     key = id(ctr)
     if key not in cache:
         observer = ctr()
@@ -253,7 +254,7 @@ def _annotate_custom_call(
             "module classes whose forward returns a single tensor (torch.ao's LSTM special "
             "case is not supported): leave it float with non_traceable_module_class instead"
         )
-    spec = _spec_from_ctr(qconfig.activation, cache)
+    spec = spec_from_ctr(qconfig.activation, cache)
     annotation = annotations.setdefault(node, QuantizationAnnotation(_annotated=True))
     for _, arg in _flat_node_args(node):
         if arg in tensor_nodes:
@@ -417,7 +418,7 @@ def _annotate(
     bias_index = input_type_to_index.get("bias")
     act_spec = None
     if is_quantized_dtype(dtype_config.input_dtype) and qconfig.activation is not None:
-        act_spec = _spec_from_ctr(qconfig.activation, cache)
+        act_spec = spec_from_ctr(qconfig.activation, cache)
     if act_spec is not None and _reuses_input(act_spec):
         _share_with_producer(match, tensor_nodes, annotations)
         return
@@ -431,7 +432,7 @@ def _annotate(
                 continue
             if node is match.root and index == weight_index:
                 if is_quantized_dtype(dtype_config.weight_dtype) and qconfig.weight is not None:
-                    annotation.input_qspec_map[arg] = _spec_from_ctr(qconfig.weight, cache)
+                    annotation.input_qspec_map[arg] = spec_from_ctr(qconfig.weight, cache)
                 continue
             if act_spec is not None:
                 annotation.input_qspec_map[arg] = act_spec
@@ -457,4 +458,4 @@ def _annotate(
             output.output_qspec = SharedQuantizationSpec(first_edge)
     elif observation is ObservationType.OUTPUT_USE_DIFFERENT_OBSERVER_AS_INPUT:
         if is_quantized_dtype(dtype_config.output_dtype) and qconfig.activation is not None:
-            output.output_qspec = _spec_from_ctr(qconfig.activation, cache)
+            output.output_qspec = spec_from_ctr(qconfig.activation, cache)

@@ -25,7 +25,7 @@ from qcore import ops
 from qcore.engine.custom_config import UnsupportedSetting
 from qcore.kernels.runtime import quiet_quantized_tensors
 
-__all__ = ["quantize_boundaries"]
+__all__ = ["output_values", "quantize_boundaries"]
 
 
 def _dequantize_inputs(gm: GraphModule, indexes: tuple[int, ...]) -> None:
@@ -66,10 +66,19 @@ def _as_quantized(gm: GraphModule, node: Any, index: int) -> Node:
     )
 
 
+def output_values(gm: GraphModule) -> list[Any]:
+    """The model's outputs in order: the elements of a returned tuple, list or dict
+    (its values), else the one returned value."""
+    value = next(node for node in gm.graph.nodes if node.op == "output").args[0]
+    if isinstance(value, dict):
+        return list(value.values())
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
 def _quantize_outputs(gm: GraphModule, indexes: tuple[int, ...]) -> None:
     output = next(node for node in gm.graph.nodes if node.op == "output")
     value = output.args[0]
-    values = list(value) if isinstance(value, (tuple, list)) else [value]
+    values = output_values(gm)
     for index in indexes:
         if index >= len(values):
             raise UnsupportedSetting(
@@ -77,7 +86,12 @@ def _quantize_outputs(gm: GraphModule, indexes: tuple[int, ...]) -> None:
                 f"returns {len(values)} output(s)"
             )
         values[index] = _as_quantized(gm, values[index], index)
-    new_value = type(value)(values) if isinstance(value, (tuple, list)) else values[0]
+    if isinstance(value, dict):
+        new_value: Any = dict(zip(value, values, strict=True))
+    elif isinstance(value, (tuple, list)):
+        new_value = type(value)(values)
+    else:
+        new_value = values[0]
     output.args = (new_value,)
 
 

@@ -54,9 +54,7 @@ def match_pattern(
     """
     op, arg_patterns = (pattern[0], pattern[1:]) if isinstance(pattern, tuple) else (pattern, ())
     if is_match_all(op):
-        # Any graph value, never a Python constant: `conv(x) + 3` is not a conv-add
-        # with a residual (it is conv, then add_scalar).
-        return node if isinstance(node, Node) else None
+        return node
     if not isinstance(node, Node) or not _op_matches(node, op, modules):
         return None
     if not is_output and len(node.users) > 1:
@@ -134,6 +132,11 @@ def find_matches(
             flat = _flatten(nested, pattern)
             if any(n in matched for n in flat):
                 continue
+            extra_inputs = config._extra_inputs_getter
+            if extra_inputs is not None and not all(
+                isinstance(extra, Node) for extra in extra_inputs(nested)
+            ):
+                continue  # `conv(x) + 3` is no conv-add: its residual must be a graph value
             getter = config._root_node_getter
             root = getter(nested) if getter is not None else _default_root(nested)
             found = Match(config, nested, flat, root, node)

@@ -18,7 +18,8 @@ from torch.utils._pytree import tree_map
 
 from qcore.config import BackendConfig, BackendPatternConfig, DTypeConfig
 from qcore.config.errors import QCoreWarning
-from qcore.engine.backend_annotator import Decision, annotate_with_backend_config
+from qcore.engine.backend_annotator import Decision, annotate_with_backend_config, spec_from_ctr
+from qcore.engine.boundaries import output_values
 from qcore.engine.custom_modules import CustomCall, swap_observed
 from qcore.engine.explain import Entry, Report, Status, attach_report
 from qcore.engine.fuse import fuse_graph
@@ -26,6 +27,7 @@ from qcore.engine.infer import inferred_tensor_nodes
 from qcore.engine.observe import insert_observers, name_observers_per_call
 from qcore.engine.qconfigs import assign_qconfigs, qconfig_equals
 from qcore.engine.trace import CustomConfig, trace
+from qcore.quantizer.spec import QuantizationAnnotation
 
 __all__ = ["STATE_KEY", "Accepted", "PreparedState", "prepare"]
 
@@ -183,6 +185,7 @@ def prepare(
     annotations, decisions, entries = annotate_with_backend_config(
         nodes, modules, backend_config, qconfigs, tensor_nodes, notes, observed_calls
     )
+    _observe_quantized_outputs(gm, annotations, qconfigs, qconfig_mapping, custom_config)
     _attach_qconfigs(gm, qconfigs)
     if is_qat:
         _swap_qat_modules(gm, decisions)
@@ -205,6 +208,28 @@ def prepare(
     report = Report(backend_name, [entries[n.name] for n in gm.graph.nodes])
     _warn_skipped(attach_report(gm, report), qconfigs)
     return gm
+
+
+def _observe_quantized_outputs(
+    gm: GraphModule,
+    annotations: dict[Node, QuantizationAnnotation],
+    qconfigs: dict[Node, Any],
+    qconfig_mapping: Any,
+    custom_config: CustomConfig,
+) -> None:
+    """An output asked for as int8 (``output_quantized_idxs``) is always observed,
+    as torch.ao does, even when the op before it stays float."""
+    if not custom_config.output_quantized_indexes:
+        return
+    values = output_values(gm)
+    for index in custom_config.output_quantized_indexes:
+        node = values[index] if index < len(values) else None
+        if not isinstance(node, Node):
+            continue  # convert names the index in its error
+        annotation = annotations.setdefault(node, QuantizationAnnotation(_annotated=True))
+        qconfig = qconfigs.get(node) or getattr(qconfig_mapping, "global_qconfig", None)
+        if annotation.output_qspec is None and getattr(qconfig, "activation", None) is not None:
+            annotation.output_qspec = spec_from_ctr(qconfig.activation, {})
 
 
 def _warn_skipped(report: Report, qconfigs: dict[Node, Any]) -> None:
