@@ -10,6 +10,12 @@ The hand-written cases below are the ones our QA reproduced; the fuzz tests
 (hypothesis, derandomized and bounded so they run in every tox env) try
 thousands of documents: valid ones mutated one to three times, arbitrary JSON
 values, and arbitrary text.
+
+The engine *calls* what a callable field (``fuser_method``, the getters)
+names, so a document that reads must never hold a function of torch, qcore or
+the standard library there other than the fusers and getters: every document
+read here is checked for that, and every name the fuzz draws from (the
+functions and classes of the modules in ENUMERATED_MODULES) is tried there.
 """
 
 from __future__ import annotations
@@ -31,17 +37,25 @@ from typing import Any
 
 import pytest
 import torch
+import torch.ao.quantization.backend_config.onednn
+import torch.ao.quantization.fuser_method_mappings
+import torch.hub
+import torch.jit
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import qcore.cli
 import qcore.config.fusers  # noqa: F401  (its fusers are names the fuzz refers to)
+import qcore.config.onednn_fusions
+import qcore.serialization  # noqa: F401  (qcore.serialization.load is a hostile name)
 from qcore import (
     BackendConfig,
+    BackendPatternConfig,
     ConfigError,
     DTypeWithConstraints,
     ObservationType,
 )
-from qcore.config.json import Allowlist, from_json
+from qcore.config.json import Allowlist, from_json, to_json
 
 # Each document must be read well within this; a hang is a failure, not a stuck CI.
 SECONDS_PER_DOCUMENT = 2.0
@@ -79,13 +93,44 @@ def time_limit(seconds: float) -> Iterator[None]:
         raise Hang(f"took {elapsed:.2f} s")
 
 
+# The modules whose functions a callable field may name by default, written out
+# here (json.py's DEFAULT_CALLABLE_MODULES): the test is the oracle, not the code.
+FUSER_MODULES = {
+    "qcore.config.fusers",
+    "qcore.config.onednn_fusions",
+    "torch.ao.quantization.fuser_method_mappings",
+    "torch.ao.quantization.backend_config.onednn",
+}
+# JSON key -> BackendPatternConfig attribute, for the fields the engine calls.
+CALLABLE_FIELDS = {
+    "fuser_method": "fuser_method",
+    "root_node_getter": "_root_node_getter",
+    "extra_inputs_getter": "_extra_inputs_getter",
+}
+
+
+def is_fuser(obj: Any) -> bool:
+    """A function (not a class or builtin) defined in one of FUSER_MODULES."""
+    return type(obj) is types.FunctionType and obj.__module__ in FUSER_MODULES
+
+
+def check_callables(config: BackendConfig) -> None:
+    """Nothing but a fuser or getter sits where the engine calls it."""
+    for index, pattern_config in enumerate(config.configs):
+        for key, attribute in CALLABLE_FIELDS.items():
+            obj = getattr(pattern_config, attribute)
+            assert obj is None or is_fuser(obj), f"configs[{index}].{key} holds {obj!r}"
+
+
 def read_hostile(text: Any, allowlist: Allowlist | None = None) -> ConfigError | None:
-    """Read ``text`` and check the three promises; the ConfigError, if any."""
+    """Read ``text`` and check the promises; the ConfigError, if any."""
     before = set(sys.modules)
     error: ConfigError | None = None
     try:
         with time_limit(SECONDS_PER_DOCUMENT):
-            from_json(text, allowlist=allowlist)
+            config = from_json(text, allowlist=allowlist)
+        if allowlist is None:  # the default allow-list: no test registered a callable
+            check_callables(config)
     except ConfigError as config_error:
         error = config_error
     except BaseException as escaped:  # SystemExit from a script module included
@@ -332,6 +377,10 @@ HOSTILE_CASES: list[tuple[str, Any, list[str]]] = [
     "document, words", [case[1:] for case in HOSTILE_CASES], ids=[case[0] for case in HOSTILE_CASES]
 )
 def test_hostile_documents_are_refused_by_field(document, words):
+    if isinstance(document, str) and "torch._dynamo" in document and "torch._dynamo" in sys.modules:
+        # An earlier test (any prepare_fx) imported it: the name then resolves
+        # without importing anything, and there is no lazy load left to refuse.
+        pytest.skip("torch._dynamo is already imported in this session")
     error = read_hostile(document)
     assert error is not None, "accepted"
     for word in words:
@@ -394,12 +443,195 @@ def test_static_methods_resolve_and_other_class_attributes_do_not(monkeypatch):
     module.Holder = Holder
     Holder.__module__ = module.__name__
     Holder.fuse.__module__ = module.__name__
-    allowlist = Allowlist(["torch", "qcore_hostile_probe"])
     monkeypatch.setitem(sys.modules, module.__name__, module)
     text = one_config(fuser_method="qcore_hostile_probe.Holder.fuse")
+    # A prefix admits the name in patterns, not where the engine calls it...
+    error = read_hostile(text, Allowlist(["torch", "qcore_hostile_probe"]))
+    assert error is not None and "callable modules" in str(error)
+    # ...a callable module does.
+    allowlist = Allowlist(["torch"], callable_modules=["qcore_hostile_probe"])
     assert from_json(text, allowlist=allowlist).configs[0].fuser_method is Holder.fuse
     error = read_hostile(one_config(fuser_method="qcore_hostile_probe.Holder.mro"), allowlist)
     assert error is not None and "expected a class or function" in str(error)
+
+
+# -- callable fields: config files are data, never code ----------------------------
+
+# Names the prefixes admit (torch, qcore, operator) of code that must never be
+# called as a fuser or getter, and names outside them.
+HOSTILE_CALLABLES = [
+    "torch.load",
+    "torch.hub.load",
+    "qcore.cli.main",
+    "builtins.exec",
+    "torch.add",  # a torch function
+    "torch.save",
+    "torch.manual_seed",
+    "torch.jit.load",
+    "torch.nn.functional.relu",
+    "operator.call",  # calls its argument
+    "qcore.serialization.load",
+    "qcore.config.json.allow_module_prefix",
+    "qcore.plugin.register_plugin",
+    "torch.nn.modules.container.Sequential",  # a class: calling it instantiates it
+    "qcore.config.fusers.FusionError",  # a class, in a callable module
+    "qcore.config.fusers.nni.ConvReLU2d",  # through a callable module to a class
+    # imported into a callable module, defined elsewhere
+    "torch.ao.quantization.fuser_method_mappings.get_combined_dict",
+    "qcore.config.fusers.fuse_conv_bn_eval",
+]
+# What the shipped configs and torch.ao's own use.
+LEGIT_CALLABLES = [
+    "qcore.config.fusers.fuse_linear_relu",
+    "qcore.config.fusers.fuse_conv2d_relu",  # a closure made by sequential_fuser
+    "qcore.config.fusers.fuse_conv_bn",
+    "qcore.config.onednn_fusions.fuse_conv_add",
+    "qcore.config.onednn_fusions.conv_add_left_root",
+    "qcore.config.onednn_fusions.conv_add_right_extra_inputs",
+    "torch.ao.quantization.fuser_method_mappings.fuse_conv_bn",
+    "torch.ao.quantization.backend_config.onednn._conv_add_root_node_getter_left",
+    "torch.ao.quantization.backend_config.onednn._conv_add_extra_inputs_getter_left",
+]
+
+
+@pytest.mark.parametrize("name", HOSTILE_CALLABLES)
+@pytest.mark.parametrize("field", list(CALLABLE_FIELDS))
+def test_callable_fields_refuse_code_that_is_not_a_fuser(field, name):
+    error = read_hostile(one_config(**{field: name}))
+    assert error is not None, f"{field}={name!r} was read: the engine would call it"
+    message = str(error)
+    assert message.startswith(f"configs[0].{field}: got {name!r}"), message
+    assert "callable modules" in message or "not in the allow-list" in message, message
+
+
+@pytest.mark.parametrize("name", LEGIT_CALLABLES)
+@pytest.mark.parametrize("field", list(CALLABLE_FIELDS))
+def test_callable_fields_accept_fusers_and_getters(field, name):
+    assert read_hostile(one_config(**{field: name})) is None
+
+
+def test_a_refusal_says_what_a_callable_field_takes():
+    message = str(read_hostile(one_config(fuser_method="torch.load")))
+    for words in [
+        "configs[0].fuser_method: got 'torch.load', which is function torch.serialization.load",
+        "expected a fuser or getter function defined in one of the callable modules",
+        "'qcore.config.fusers'",
+        "registered with qcore.config.json.allow(fn)",
+    ]:
+        assert words in message, message
+
+
+def vendor_op(x: Any) -> Any:
+    """A function a vendor's pattern matches (never meant to be called by a config)."""
+    return x
+
+
+def vendor_fuse(is_qat: bool, op: Any, relu: Any) -> Any:
+    return torch.nn.Sequential(op, relu)
+
+
+def test_allow_config_registers_each_object_for_the_kind_of_field_it_fills():
+    # What the registry does with a loaded plugin's config.
+    config = BackendConfig("vendor").set_backend_pattern_config(
+        BackendPatternConfig((vendor_op, torch.nn.ReLU)).set_fuser_method(vendor_fuse)
+    )
+    allowlist = Allowlist(["torch"])
+    assert allowlist.allow_config(config) == []
+    assert from_json(to_json(config, allowlist=allowlist), allowlist=allowlist) == config
+    # the pattern's function is not thereby callable...
+    error = read_hostile(one_config(fuser_method=f"{__name__}.vendor_op"), allowlist)
+    assert error is not None and "callable modules" in str(error)
+    # ...and a function some plugin uses as its fuser is (the plugin vouched for it).
+    text = one_config(root_node_getter=f"{__name__}.vendor_fuse")
+    assert from_json(text, allowlist=allowlist).configs[0]._root_node_getter is vendor_fuse
+    torch_fuser = BackendConfig("odd").set_backend_pattern_config(
+        BackendPatternConfig(torch.nn.Linear).set_fuser_method(torch.add)
+    )
+    assert allowlist.allow_config(torch_fuser) == []
+    assert from_json(one_config(fuser_method="torch.add"), allowlist=allowlist)
+    assert read_hostile(one_config(fuser_method="torch.add")) is not None
+
+
+def test_to_json_refuses_what_from_json_would():
+    config = BackendConfig("odd").set_backend_pattern_config(
+        BackendPatternConfig(torch.nn.Linear).set_fuser_method(torch.load)
+    )
+    with pytest.raises(ConfigError) as excinfo:
+        to_json(config, allowlist=Allowlist())
+    message = str(excinfo.value)
+    assert message.startswith("configs[0].fuser_method: got function torch.serialization.load")
+    assert "callable modules" in message and "registered with" in message
+
+
+def test_from_dict_takes_no_names_for_callable_fields():
+    for key in CALLABLE_FIELDS:
+        with pytest.raises(ConfigError) as excinfo:
+            BackendConfig.from_dict({"configs": [{"pattern": "relu", key: "torch.load"}]})
+        message = str(excinfo.value)
+        assert f"BackendConfig.configs[0].{key}: got 'torch.load'" in message, message
+        assert "a callable or None" in message
+
+
+@pytest.mark.parametrize(
+    "field, name, words",
+    [
+        ("qat_module", "torch.nn.modules.linear.Linear", ["from_float classmethod", "QAT module"]),
+        ("qat_module", "torch.load", ["torch.nn.Module subclass"]),
+        ("qat_module", "torch.nn.modules.container.Sequential", ["from_float classmethod"]),
+        (
+            "reference_quantized_module_for_root",
+            "torch.nn.modules.container.Sequential",
+            ["from_float classmethod", "reference quantized module"],
+        ),
+        ("reference_quantized_module_for_root", "torch.hub.load", ["torch.nn.Module subclass"]),
+        ("root_module", "torch.hub.load", ["torch.nn.Module subclass"]),
+        ("fused_module", "qcore.cli.main", ["torch.nn.Module subclass"]),
+    ],
+)
+def test_module_fields_take_module_classes_of_their_kind(field, name, words):
+    error = read_hostile(one_config(**{field: name}))
+    assert error is not None
+    assert str(error).startswith(f"configs[0].{field}: got "), str(error)
+    for word in words:
+        assert word in str(error), str(error)
+
+
+def test_qat_and_reference_modules_of_torch_ao_are_read():
+    config = from_json(
+        one_config(
+            qat_module="torch.ao.nn.qat.modules.linear.Linear",
+            reference_quantized_module_for_root="torch.ao.nn.quantized.reference.modules.linear.Linear",
+        )
+    ).configs[0]
+    assert config.qat_module is torch.ao.nn.qat.Linear
+    assert config.reference_quantized_module is torch.ao.nn.quantized.reference.Linear
+    with pytest.raises(ConfigError, match="from_float classmethod"):
+        BackendPatternConfig(torch.nn.Linear).set_qat_module(torch.nn.Linear)
+
+
+FIRST_PARTY = ("fbgemm", "qnnpack", "x86", "onednn", "native")
+
+
+def installed_backends() -> list[str]:
+    from qcore.plugin import list_backends
+
+    return list_backends()
+
+
+@pytest.mark.parametrize("backend", installed_backends())
+def test_every_installed_config_round_trips(backend):
+    """Shipped configs still read back; qcore's own without any registration
+    (their fusers and getters live in the callable modules)."""
+    from qcore.plugin import get_backend
+
+    config = get_backend(backend).config
+    first_party = backend in FIRST_PARTY
+    allowlist = Allowlist() if first_party else None
+    text = to_json(config, allowlist=allowlist)
+    again = from_json(text, allowlist=allowlist)
+    assert again == config
+    if first_party:
+        check_callables(again)
 
 
 # -- the same rules through the Python API and from_dict ---------------------------
@@ -521,6 +753,48 @@ FUNCTION_REFS = [
     "torch._C._nn.linear",
     "qcore.config.fusers.fuse_linear_relu",
 ]
+# For the fields with more to them than a module class.
+QAT_REFS = ["torch.ao.nn.qat.modules.linear.Linear", "torch.ao.nn.qat.Conv2d"]
+REFERENCE_REFS = ["torch.ao.nn.quantized.reference.modules.linear.Linear"]
+CALLABLE_REFS = LEGIT_CALLABLES
+
+# Every class and function in these modules' namespaces, by the name the reader
+# resolves (a fixed list of modules, so the fuzz draws the same names each run).
+ENUMERATED_MODULES = [
+    "operator",
+    "torch",
+    "torch.nn.functional",
+    "torch.hub",
+    "torch.jit",
+    "torch.serialization",
+    "torch.nn.modules.container",
+    "torch.ao.quantization",
+    "torch.ao.quantization.fuser_method_mappings",
+    "torch.ao.quantization.backend_config.onednn",
+    "qcore",
+    "qcore.cli",
+    "qcore.serialization",
+    "qcore.config.json",
+    "qcore.config.fusers",
+    "qcore.config.onednn_fusions",
+]
+
+
+def enumerate_names() -> list[str]:
+    names = set()
+    for module_name in ENUMERATED_MODULES:
+        for attribute, value in list(vars(sys.modules[module_name]).items()):
+            # The value's type only: isinstance() may read a hostile __class__.
+            kind = type(value)
+            if attribute.startswith("__") or not (
+                kind in (types.FunctionType, types.BuiltinFunctionType) or issubclass(kind, type)
+            ):
+                continue
+            names.add(f"{module_name}.{attribute}")
+    return sorted(names)
+
+
+ALLOWED_NAMES = enumerate_names()
 METHOD_NAMES = ["relu", "add", "view", "sigmoid", "x"]
 # dtype name -> the range its quant bounds are drawn from
 DTYPES = {
@@ -694,13 +968,18 @@ def random_pattern_config(rnd: random.Random) -> dict[str, Any]:
     if rnd.random() < 0.5:
         config["observation_type"] = rnd.choice(list(ObservationType.__members__))
     config["dtype_configs"] = [random_dtype_config(rnd) for _ in range(rnd.randint(0, 2))]
-    for field in ("root_module", "qat_module", "reference_quantized_module_for_root"):
+    # torch.nn.Linear is the class a pattern names torch.nn.modules.linear.Linear
+    for field, refs in (
+        ("root_module", [*MODULE_REFS, "torch.nn.Linear"]),
+        ("fused_module", MODULE_REFS),
+        ("qat_module", QAT_REFS),
+        ("reference_quantized_module_for_root", REFERENCE_REFS),
+    ):
         if rnd.random() < 0.25:
-            # torch.nn.Linear is the class a pattern names torch.nn.modules.linear.Linear
-            config[field] = rnd.choice([*MODULE_REFS, "torch.nn.Linear"])
-    for field in ("fuser_method", "root_node_getter", "extra_inputs_getter"):
+            config[field] = rnd.choice(refs)
+    for field in CALLABLE_FIELDS:
         if rnd.random() < 0.25:
-            config[field] = rnd.choice(FUNCTION_REFS)
+            config[field] = rnd.choice(CALLABLE_REFS)
     if rnd.random() < 0.5:
         counts = rnd.sample(["0", "1", "2", "3"], rnd.randint(0, 3))
         members = list(ObservationType.__members__)
@@ -787,12 +1066,25 @@ def mutate(rnd: random.Random, document: dict[str, Any]) -> None:
         container[key] = rnd.choice([[container[key]], {"ref": container[key]}])
 
 
+def name_a_callable(rnd: random.Random, document: dict[str, Any]) -> None:
+    """A callable field of one config set to any name the prefixes admit."""
+    configs = document.get("configs")
+    targets = (
+        [item for item in configs if isinstance(item, dict)] if isinstance(configs, list) else []
+    )
+    if targets:
+        rnd.choice(targets)[rnd.choice(list(CALLABLE_FIELDS))] = rnd.choice(ALLOWED_NAMES)
+
+
 def mutated_document(rnd: random.Random) -> tuple[int, str]:
     """(number of mutations, JSON text) of a valid document mutated 0 to 3 times."""
     document = random_valid_document(rnd)
     count = rnd.randint(0, 3)
     for _ in range(count):
-        mutate(rnd, document)
+        if rnd.random() < 0.25:
+            name_a_callable(rnd, document)
+        else:
+            mutate(rnd, document)
     text = json.dumps(document)  # NaN and infinities are written as JSON's non-standard words
     if count and rnd.random() < 0.1:  # now and then, broken text
         text = text[: rnd.randint(0, len(text))]
@@ -846,6 +1138,31 @@ def test_fuzz_from_dict(value):
                 BackendConfig.from_dict(document)
         except ConfigError as error:
             assert "got" in str(error) and "expected" in str(error), str(error)
+
+
+def test_fuzz_callable_fields_with_every_allowed_name():
+    """Each of ALLOWED_NAMES in each callable field (some 10,000 documents, read
+    without read_hostile's per-document bookkeeping: about a second)."""
+    before = set(sys.modules)
+    accepted = set()
+    for field in CALLABLE_FIELDS:
+        for name in ALLOWED_NAMES:
+            try:
+                check_callables(from_json(one_config(**{field: name})))
+            except ConfigError as error:
+                assert str(error).startswith(f"configs[0].{field}: got {name!r}"), str(error)
+                assert "expected" in str(error), str(error)
+            else:
+                accepted.add(name)
+    assert set(sys.modules) == before
+    # The other way round: every function defined in a callable module is read.
+    fusers = {
+        name
+        for name in ALLOWED_NAMES
+        if is_fuser(vars(sys.modules[name.rpartition(".")[0]])[name.rpartition(".")[2]])
+    }
+    assert accepted == fusers
+    assert len(fusers) > 30 and len(ALLOWED_NAMES) > 1000
 
 
 def test_fuzz_documents_are_valid_before_mutation():

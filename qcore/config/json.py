@@ -40,6 +40,13 @@ Rules:
   ``reference_quantized_module_for_root``, ``fused_module``, ``fuser_method``,
   ``root_node_getter``, ``extra_inputs_getter``) hold only references, so they
   are plain qualified-name strings.
+* **Callable fields** (``fuser_method``, ``root_node_getter``,
+  ``extra_inputs_getter``) name functions the engine *calls* (the fuser with
+  ``(is_qat, *modules)`` when it fuses, the getters with each match), so they
+  take only functions meant for that (see "What a callable field may name").
+* **Module fields** take torch.nn.Module subclasses; ``qat_module`` and
+  ``reference_quantized_module_for_root`` only those with a ``from_float``
+  classmethod (prepare calls ``qat_module.from_float(float_module)``).
 * **Dtypes** are torch attribute names (``"quint8"``, ``"float32"``;
   ``"torch.quint8"`` is read too). A dtype with constraints is an object with
   a ``"dtype"`` key and the non-None DTypeWithConstraints fields.
@@ -59,6 +66,34 @@ registered one by one with :meth:`Allowlist.allow`. Plugins register their
 fuser methods and modules with :func:`allow` (or :func:`allow_config`), or a
 whole package with :func:`allow_module_prefix`; a plugin's modules are
 imported when the plugin loads, before its names are read.
+
+What a callable field may name
+------------------------------
+
+The prefixes admit any function under ``torch`` and ``qcore``; the engine
+calls a callable field's function, so ``"fuser_method": "torch.load"`` (or
+``torch.hub.load``, ``qcore.cli.main``) would run at fuse time. Config files
+are data, never code (issue 14, section 2): a callable field resolves only to
+
+* a Python function (a ``def``, not a class or builtin) *defined* in one of the
+  allow-list's **callable modules**, modules that hold nothing but fusers and
+  getters: by default :data:`DEFAULT_CALLABLE_MODULES` (qcore's
+  ``qcore.config.fusers`` and ``qcore.config.onednn_fusions``, torch.ao's
+  ``fuser_method_mappings`` and ``backend_config.onednn``); add a module of
+  your own with :func:`allow_callable_module` (exact modules, not prefixes:
+  a prefix admits whatever lands under it later); or
+* an object **registered** with :func:`allow` (whoever registers it vouches for
+  it in any field). A loaded plugin's fusers and getters are registered this
+  way: the registry calls :func:`allow_config` on every backend it loads, which
+  registers what each field of the config holds *for that kind of field* (a
+  function a plugin's pattern matches is not thereby callable).
+
+Anything else in a callable field is a ConfigError naming the field, the name
+and what is allowed, when read and when written (:func:`to_json` refuses a
+config :func:`from_json` would refuse). Patterns are matched by identity and
+never called, so they keep the prefix rule; ``BackendConfig.from_dict`` takes
+Python objects, not names (a string there is "not a callable"). No other
+config is read from JSON: QConfig and observer settings have no JSON form.
 
 Every failure to read a document is a :class:`ConfigError` whose message starts
 with the failing field's path in the document
@@ -85,9 +120,11 @@ from qcore.config.pattern import MAX_PATTERN_DEPTH, BackendPatternConfig
 
 __all__ = [
     "Allowlist",
+    "DEFAULT_CALLABLE_MODULES",
     "FORMAT",
     "VERSION",
     "allow",
+    "allow_callable_module",
     "allow_config",
     "allow_module_prefix",
     "default_allowlist",
@@ -101,6 +138,14 @@ VERSION = 1
 
 DEFAULT_MODULE_PREFIXES = ("operator", "qcore", "torch")
 
+# Modules of fusers and getters only: their functions may fill a callable field.
+DEFAULT_CALLABLE_MODULES = (
+    "qcore.config.fusers",
+    "qcore.config.onednn_fusions",
+    "torch.ao.quantization.fuser_method_mappings",
+    "torch.ao.quantization.backend_config.onednn",
+)
+
 # Modules whose objects report an implementation module as ``__module__``.
 _MODULE_ALIASES = {"_operator": "operator"}
 
@@ -113,6 +158,8 @@ _REF_FIELDS = (
     "root_node_getter",
     "extra_inputs_getter",
 )
+# The reference fields whose object the engine calls.
+_CALLABLE_FIELDS = ("fuser_method", "root_node_getter", "extra_inputs_getter")
 _PATTERN_FIELDS = ("pattern", "pattern_complex_format")
 _CONSTRAINT_FIELDS = (
     "quant_min_lower_bound",
@@ -217,12 +264,29 @@ def qualified_name(obj: Any) -> str | None:
     return _derive_name(obj)
 
 
+def _check_module_name(field: str, module_name: Any) -> None:
+    parts = module_name.split(".") if isinstance(module_name, str) else []
+    if not parts or not all(part.isidentifier() for part in parts):
+        raise ConfigError(
+            f"{field}: got {describe(module_name)}; expected a dotted module name such as "
+            "'qcore_mychip'"
+        )
+    if _SCRIPT_MODULE in parts:
+        raise ConfigError(
+            f"{field}: got {module_name!r}; expected a library module, not a script module "
+            "(__main__ runs a program; it is never allowed)"
+        )
+
+
 class Allowlist:
     """Which qualified names JSON may refer to.
 
     A name is allowed when it lies under one of the module prefixes
     (``"torch"`` admits ``torch.nn.modules.conv.Conv2d``, not ``torchvision``)
-    or when the object was registered with :meth:`allow`. Resolving a name
+    or in one of the callable modules, or when the object was registered with
+    :meth:`allow`. A callable field (``fuser_method`` and the getters) takes
+    only a function defined in a callable module or a registered object (see
+    :meth:`is_callable_allowed`). Resolving a name
     imports nothing: it is looked up in modules already imported, through
     modules and classes only; every module met on the way, and the object's own
     ``__module__``, must be allowed too, so ``torch.os.system`` is refused. Script
@@ -234,57 +298,81 @@ class Allowlist:
         >>> allowlist.allow(my_fuser)            # a module-level function
         >>> allowlist.allow(make_fuser(nn.ReLU), name="my_plugin.fuse_relu")
         >>> allowlist.allow_module_prefix("my_plugin")
+        >>> allowlist.allow_callable_module("my_plugin.fusers")
     """
 
-    def __init__(self, prefixes: Iterable[str] = DEFAULT_MODULE_PREFIXES) -> None:
+    def __init__(
+        self,
+        prefixes: Iterable[str] = DEFAULT_MODULE_PREFIXES,
+        callable_modules: Iterable[str] = DEFAULT_CALLABLE_MODULES,
+    ) -> None:
         self._prefixes: list[str] = []
+        self._callable_modules: list[str] = []
         self._by_name: dict[str, Any] = {}
         self._by_id: dict[int, str] = {}
+        # Registered objects a callable field may hold, by id (the object kept alive).
+        self._callables: dict[int, Any] = {}
         for prefix in prefixes:
             self.allow_module_prefix(prefix)
+        for module_name in callable_modules:
+            self.allow_callable_module(module_name)
 
     def __repr__(self) -> str:
-        return f"Allowlist(prefixes={self.prefixes}, registered={len(self._by_name)})"
+        return (
+            f"Allowlist(prefixes={self.prefixes}, callable_modules={self.callable_modules}, "
+            f"registered={len(self._by_name)})"
+        )
 
     @property
     def prefixes(self) -> list[str]:
         return sorted(self._prefixes)
 
     @property
+    def callable_modules(self) -> list[str]:
+        return sorted(self._callable_modules)
+
+    @property
     def registered_names(self) -> list[str]:
         return sorted(self._by_name)
 
     def copy(self) -> Allowlist:
-        other = Allowlist(self._prefixes)
+        other = Allowlist(self._prefixes, self._callable_modules)
         other._by_name = dict(self._by_name)
         other._by_id = dict(self._by_id)
+        other._callables = dict(self._callables)
         return other
 
     # -- registration ---------------------------------------------------
 
     def allow_module_prefix(self, prefix: str) -> None:
-        """Allow every name under the module ``prefix`` (e.g. ``"qcore_mychip"``)."""
-        parts = prefix.split(".") if isinstance(prefix, str) else []
-        if not parts or not all(part.isidentifier() for part in parts):
-            raise ConfigError(
-                f"Allowlist.prefix: got {describe(prefix)}; expected a dotted module name "
-                "such as 'qcore_mychip'"
-            )
-        if _SCRIPT_MODULE in parts:
-            raise ConfigError(
-                f"Allowlist.prefix: got {prefix!r}; expected a library module, not a script "
-                "module (__main__ runs a program; it is never allowed)"
-            )
+        """Allow every name under the module ``prefix`` (e.g. ``"qcore_mychip"``)
+        in patterns and module fields; a callable field takes a function only
+        from a callable module (:meth:`allow_callable_module`) or registered."""
+        _check_module_name("Allowlist.prefix", prefix)
         if prefix not in self._prefixes:
             self._prefixes.append(prefix)
+
+    def allow_callable_module(self, module_name: str) -> None:
+        """Let the functions *defined* in module ``module_name`` (exactly that
+        module, e.g. ``"qcore_mychip.fusers"``) fill callable fields
+        (``fuser_method``, ``root_node_getter``, ``extra_inputs_getter``); its
+        names are allowed everywhere else too. Give a module that holds
+        nothing but fusers and getters: the engine calls what a config names."""
+        _check_module_name("Allowlist.callable_module", module_name)
+        if module_name not in self._callable_modules:
+            self._callable_modules.append(module_name)
 
     def allow(self, obj: Any, name: str | None = None) -> Any:
         """Allow one object; returns it, so it can decorate a function.
 
         ``name`` defaults to the object's qualified name; give one for an object
         that has none (a closure made by a factory). A name already registered
-        for another object is an error.
+        for another object is an error. A registered object may fill any
+        field, a callable one included: register only what a config may call.
         """
+        return self._register(obj, name, callable_field=True)
+
+    def _register(self, obj: Any, name: str | None, *, callable_field: bool) -> Any:
         if name is None:
             name = _derive_name(obj)
             if name is None:
@@ -306,10 +394,15 @@ class Allowlist:
             )
         self._by_name[name] = obj
         self._by_id.setdefault(id(obj), name)
+        if callable_field:
+            self._callables[id(obj)] = obj
         return obj
 
     def allow_config(self, config: BackendConfig) -> list[str]:
-        """Allow every class and function a BackendConfig refers to.
+        """Allow every class and function a BackendConfig refers to, for the
+        kind of field that holds it: what its callable fields hold may be
+        named in callable fields, what its patterns and module fields hold
+        only in patterns and module fields.
 
         Returns one line per object that could not be registered (no
         qualified name), naming its field; nothing is raised for those.
@@ -317,10 +410,12 @@ class Allowlist:
         problems = []
         for index, pattern_config in enumerate(config.configs):
             for field_name, obj in _referenced_objects(pattern_config):
-                if self.name_for(obj) is not None:
+                callable_field = field_name in _CALLABLE_FIELDS
+                name = self.name_for(obj)
+                if name is not None and (not callable_field or self.is_callable_allowed(obj)):
                     continue
                 try:
-                    self.allow(obj)
+                    self._register(obj, name, callable_field=callable_field)
                 except ConfigError as error:
                     problems.append(f"configs[{index}].{field_name}: {error}")
         return problems
@@ -331,7 +426,30 @@ class Allowlist:
         if _is_script_module(module_name):
             return False
         module_name = _canonical_module(module_name)
-        return any(_within(module_name, prefix) for prefix in self._prefixes)
+        return any(
+            _within(module_name, prefix) for prefix in (*self._prefixes, *self._callable_modules)
+        )
+
+    def is_callable_allowed(self, obj: Any) -> bool:
+        """Whether ``obj`` may fill a callable field: an object registered for
+        one (:meth:`allow`, or :meth:`allow_config` from a callable field), or
+        a Python function defined in a callable module. Nothing of ``obj``
+        runs: its type and ``__module__`` are read, not called."""
+        if self._callables.get(id(obj)) is obj:
+            return True
+        if type(obj) is not types.FunctionType:
+            return False  # a class would be instantiated, a builtin is no fuser
+        module_name = obj.__module__
+        return isinstance(module_name, str) and (
+            _canonical_module(module_name) in self._callable_modules
+        )
+
+    def describe_callables(self) -> str:
+        return (
+            f"a fuser or getter function defined in one of the callable modules "
+            f"{self.callable_modules}, or one registered with qcore.config.json.allow(fn) (a "
+            "loaded plugin's are); the engine calls it, so a config names no other function"
+        )
 
     def is_name_allowed(self, name: str) -> bool:
         """Whether ``name`` is registered or lies under an allowed prefix
@@ -340,6 +458,13 @@ class Allowlist:
 
     def describe_allowed(self) -> str:
         text = f"names under the module prefixes {self.prefixes}"
+        outside = [
+            name
+            for name in self.callable_modules
+            if not any(_within(name, prefix) for prefix in self._prefixes)
+        ]
+        if outside:
+            text += f" or in the callable modules {outside}"
         if self._by_name:
             text += f" or one of {len(self._by_name)} registered names"
         return (
@@ -443,6 +568,27 @@ class Allowlist:
             )
         return obj
 
+    def resolve_callable(self, name: Any, field: str) -> Any:
+        """:meth:`resolve` for a callable field: the object must also pass
+        :meth:`is_callable_allowed`, or a ConfigError names ``field``."""
+        obj = self.resolve(name, field)
+        if not self.is_callable_allowed(obj):
+            raise ConfigError(
+                f"{field}: got {name!r}, which is {describe(obj)}; expected "
+                f"{self.describe_callables()}"
+            )
+        return obj
+
+    def callable_reference(self, obj: Any, field: str) -> str:
+        """:meth:`reference` for a callable field (what :meth:`resolve_callable`
+        would read back)."""
+        name = self.reference(obj, field)
+        if not self.is_callable_allowed(obj):
+            raise ConfigError(
+                f"{field}: got {describe(obj)} ({name!r}); expected {self.describe_callables()}"
+            )
+        return name
+
     def _loaded_module(self, name: str, parts: list[str], field: str) -> tuple[Any, list[str]]:
         """The longest prefix of ``name`` that is an imported, allowed module, and
         the attribute names after it."""
@@ -526,6 +672,12 @@ def allow(obj: Any, name: str | None = None) -> Any:
 def allow_module_prefix(prefix: str) -> None:
     """Allow every name under module ``prefix`` in the default allow-list."""
     default_allowlist.allow_module_prefix(prefix)
+
+
+def allow_callable_module(module_name: str) -> None:
+    """Let the functions defined in ``module_name`` fill callable fields in the
+    default allow-list; see :meth:`Allowlist.allow_callable_module`."""
+    default_allowlist.allow_callable_module(module_name)
 
 
 def allow_config(config: BackendConfig) -> list[str]:
@@ -615,7 +767,10 @@ def _encode_pattern_config(
     result["dtype_configs"] = [_encode_dtype_config(item) for item in config.dtype_configs]
     for key in _REF_FIELDS:
         if key in as_dict:
-            result[key] = allowlist.reference(as_dict[key], f"{path}.{key}")
+            if key in _CALLABLE_FIELDS:
+                result[key] = allowlist.callable_reference(as_dict[key], f"{path}.{key}")
+            else:
+                result[key] = allowlist.reference(as_dict[key], f"{path}.{key}")
     if config._num_tensor_args_to_observation_type:
         result["num_tensor_args_to_observation_type"] = {
             str(count): observation_type.name
@@ -822,7 +977,8 @@ def _decode_pattern_config(value: Any, path: str, allowlist: Allowlist) -> Backe
         ]
     for key in _REF_FIELDS:
         if value.get(key) is not None:
-            as_dict[key] = allowlist.resolve(value[key], f"{path}.{key}")
+            decode = allowlist.resolve_callable if key in _CALLABLE_FIELDS else allowlist.resolve
+            as_dict[key] = decode(value[key], f"{path}.{key}")
     if "num_tensor_args_to_observation_type" in value:
         field = f"{path}.num_tensor_args_to_observation_type"
         mapping = _expect(value["num_tensor_args_to_observation_type"], dict, field, "an object")

@@ -16,6 +16,7 @@ BackendConfig stores a pattern under.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -108,9 +109,27 @@ def format_pattern(pattern: Pattern) -> str:
     return getattr(pattern, "__name__", None) or repr(pattern)
 
 
-def _check_module_class(field_name: str, value: Any) -> None:
-    if value is not None and not (isinstance(value, type) and issubclass(value, torch.nn.Module)):
-        raise invalid(field_name, value, "a torch.nn.Module subclass or None")
+def _check_module_class(field_name: str, value: Any, example: str | None = None) -> None:
+    """A module class; with ``example``, one with a ``from_float`` classmethod: the
+    QAT and reference modules are built from the float module by ``cls.from_float``
+    (qcore's prepare calls the QAT one), so any other class is a mistake found
+    only then. Looked up statically: checking runs no code of the class."""
+    if value is None:
+        return
+    if not (isinstance(value, type) and issubclass(value, torch.nn.Module)):
+        expected = "a torch.nn.Module subclass" + (f" ({example})" if example else "")
+        raise invalid(field_name, value, expected + " or None")
+    if example is not None:
+        try:
+            from_float = inspect.getattr_static(value, "from_float")
+        except AttributeError:
+            from_float = None
+        if not isinstance(from_float, classmethod):
+            raise invalid(
+                field_name,
+                value,
+                f"a torch.nn.Module subclass with a from_float classmethod ({example}) or None",
+            )
 
 
 def _check_optional_callable(field_name: str, value: Any) -> None:
@@ -238,17 +257,24 @@ class BackendPatternConfig:
         return self
 
     def set_qat_module(self, qat_module: type[torch.nn.Module] | None) -> BackendPatternConfig:
-        """The module class swapped in for QAT."""
-        _check_module_class("BackendPatternConfig.qat_module", qat_module)
+        """The module class swapped in for QAT (``qat_module.from_float(float_module)``)."""
+        _check_module_class(
+            "BackendPatternConfig.qat_module",
+            qat_module,
+            "a QAT module such as torch.ao.nn.qat.Linear",
+        )
         self.qat_module = qat_module
         return self
 
     def set_reference_quantized_module(
         self, reference_quantized_module: type[torch.nn.Module] | None
     ) -> BackendPatternConfig:
-        """The reference quantized module the root module becomes at convert."""
+        """The reference quantized module the root module becomes at convert
+        (``from_float``, as torch.ao's reference modules)."""
         _check_module_class(
-            "BackendPatternConfig.reference_quantized_module", reference_quantized_module
+            "BackendPatternConfig.reference_quantized_module",
+            reference_quantized_module,
+            "a reference quantized module such as torch.ao.nn.quantized.reference.Linear",
         )
         self.reference_quantized_module = reference_quantized_module
         return self
