@@ -34,12 +34,19 @@ Observers are found by walking the module (any ``nn.Module``: FX or PT2E
 prepared models, torch.ao's observers too), by their attributes and buffers.
 
 Faults are errors, on every rank, within ``timeout`` at each step: a rank that
-does not join is named (``RankTimeoutError``); ranks whose observers differ
-(another model, another backend or QConfigMapping) are named with the first
-differing observer (``ObserverMismatchError``). Statistics are merged into
-copies and written back only when everything succeeded: on failure the model is
-left as it was. After a timeout the process group has unfinished operations and
-should not be used again (destroy it, or end the job).
+does not join is named (``RankTimeoutError``), and so are, to a rank arriving
+after the others gave up, the ranks that timed out (they closed their
+connections); ranks whose observers differ (another model, another backend or
+QConfigMapping, another ``eps``) are named with the first differing observer
+and the values that differ (``ObserverMismatchError``); an observer holding NaN
+statistics (torch.ao's propagate a NaN from calibration) is named with its rank
+(``ObserverSyncError``). The NaN and infinite values qcore's observers skipped
+are summed over the ranks, so every rank's convert warns about all of them.
+Statistics are merged into copies and written back only when everything
+succeeded: on failure the model is left as it was. After a failure the process
+group should not be used again: ``torch.distributed.destroy_process_group()``
+returns at once (the collectives carry ``timeout``, so the backend gives up when
+the sync does), or end the job.
 
 Cost: a presence check (one message to each peer), two small all_gathers to
 compare the observer sets, one all_reduce for all min/max observers, one for
@@ -61,6 +68,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions
+
+from qcore.observers.nonfinite import skipped_count
 
 __all__ = [
     "ObserverMismatchError",
@@ -158,7 +168,7 @@ class _Observer:
     name: str
     module: nn.Module
     kind: str
-    settings: str
+    settings: list[list[str]]
     shapes: list[list[int]]
 
     def fingerprint(self) -> list:
@@ -172,7 +182,10 @@ class _Observer:
 
 def _describe(entry: list) -> str:
     name, cls, kind, settings, shapes = entry
-    return f"{name!r}: {cls.rsplit('.', 1)[-1]}({settings}), {kind}, buffer shapes {shapes}"
+    return (
+        f"{name!r}: {cls.rsplit('.', 1)[-1]}({_show_settings(settings)}), {kind}, "
+        f"buffer shapes {shapes}"
+    )
 
 
 # -- finding the observers ------------------------------------------------------------
@@ -197,9 +210,35 @@ def _is_observer(name: str, module: nn.Module) -> bool:
     )
 
 
-def _settings(module: nn.Module) -> str:
+def _settings(module: nn.Module, kind: str) -> list[list[str]]:
+    """``[name, value]`` of each setting ``module`` has: its attributes in _SETTINGS,
+    ``eps`` (the smallest scale: ranks with different ones convert to different
+    models) and, for an observer without statistics, its fixed ``scale`` and
+    ``zero_point``."""
     attrs = vars(module)
-    return ", ".join(f"{attr}={attrs[attr]}" for attr in _SETTINGS if attr in attrs)
+    found = [[attr, str(attrs[attr])] for attr in _SETTINGS if attr in attrs]
+    buffers = ["eps"] + (["scale", "zero_point"] if kind == NO_STATISTICS else [])
+    for name in buffers:
+        value = module._buffers.get(name)
+        if isinstance(value, torch.Tensor) and 0 < value.numel() <= 8:
+            found.append([name, ", ".join(repr(v) for v in value.reshape(-1).tolist())])
+    return found
+
+
+def _show_settings(settings: list[list[str]]) -> str:
+    return ", ".join(f"{name}={value}" for name, value in settings)
+
+
+def _nan_statistics(module: nn.Module, kind: str) -> str | None:
+    """``"min_val=nan"``-like text when a statistic of ``module`` holds a NaN."""
+    found = []
+    for name in _STATISTICS_BUFFERS.get(kind, ()):
+        value = module._buffers.get(name)
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            if bool(torch.isnan(value).any()):
+                shown = value.tolist() if value.numel() <= 4 else "NaN among its values"
+                found.append(f"{name}={shown}")
+    return ", ".join(found) or None
 
 
 def _collect(model: nn.Module) -> tuple[list[_Observer], str | None]:
@@ -227,17 +266,36 @@ def _collect(model: nn.Module) -> tuple[list[_Observer], str | None]:
                 f"buffers {sorted(unknown)} that sync_observers does not know how to merge "
                 "(it merges min_val/max_val, and histogram with min_val/max_val)"
             )
+        nan = _nan_statistics(module, kind)
+        if nan is not None:
+            # merged, a NaN becomes every rank's: each would convert to NaN scales
+            return found, (
+                f"observer {name!r} ({type(module).__name__}) holds {nan}; expected the "
+                "finite range of its calibration values. It propagated a NaN from "
+                "calibration (torch.ao's observers do; qcore's skip NaN and ±inf and "
+                "count them) or was loaded with NaN statistics"
+            )
         shapes = [list(buffers[b].shape) for b in stats]
-        found.append(_Observer(name or "<model>", module, kind, _settings(module), shapes))
+        found.append(_Observer(name or "<model>", module, kind, _settings(module, kind), shapes))
     return found, None
 
 
 # -- communication ----------------------------------------------------------------------
 
 
+def _ranks(ranks: Any) -> str:
+    return f"rank(s) {', '.join(map(str, sorted(ranks)))}"
+
+
 class _Comm:
     def __init__(self, group: Any, timeout: timedelta) -> None:
         self.group = group
+        # Collectives are called on the process group itself, with ``timeout`` in
+        # their options: torch.distributed's functions leave the group's own timeout
+        # (30 min by default) to the backend, whose worker thread then stays blocked
+        # on a collective a rank never joined, and destroy_process_group() waits for
+        # it. With the sync's timeout the backend gives up when the sync does.
+        self.process_group = group if group is not None else dist.group.WORLD
         self.timeout = timeout
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -251,55 +309,82 @@ class _Comm:
     def global_rank(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-    def wait(self, work: Any, step: str) -> None:
+    def wait(self, start: Any, step: str) -> None:
+        """Start an operation (``start()`` returns its work) and wait for it; a
+        failure at either point is an ObserverSyncError saying which step."""
         try:
-            work.wait(timeout=self.timeout)
+            start().wait(timeout=self.timeout)
         except RuntimeError as error:
             raise ObserverSyncError(
                 f"rank {self.rank}: sync_observers failed while {step} (timeout "
-                f"{self.timeout.total_seconds():g} s): {error}"
+                f"{self.timeout.total_seconds():g} s): a rank that joined did not get "
+                f"there in time (stuck or dead) or gave up: {error}"
             ) from error
 
     def check_presence(self) -> None:
         """Every rank exchanges a message with every other; those not heard from
-        within the timeout are named."""
+        within the timeout are named. A rank whose own timeout passed has closed its
+        connections: a rank arriving after that finds them closed, and names it too."""
         peers = [r for r in range(self.world) if r != self.rank]
         mine = torch.tensor([self.rank], dtype=torch.int64, device=self.device)
-        sends = [
-            dist.isend(mine, self.global_rank(r), group=self.group, tag=_PRESENCE_TAG)
-            for r in peers
-        ]
         received = {r: torch.full_like(mine, -1) for r in peers}
-        recvs = {
-            r: dist.irecv(received[r], self.global_rank(r), group=self.group, tag=_PRESENCE_TAG)
-            for r in peers
-        }
+        closed: dict[int, str] = {}  # rank -> gloo's error: its connection is gone
+        sends, recvs = {}, {}
+        for r in peers:
+            peer = self.global_rank(r)
+            try:
+                sends[r] = dist.isend(mine, peer, group=self.group, tag=_PRESENCE_TAG)
+                recvs[r] = dist.irecv(received[r], peer, group=self.group, tag=_PRESENCE_TAG)
+            except RuntimeError as error:
+                closed[r] = str(error)
         deadline = time.monotonic() + self.timeout.total_seconds()
-        missing: list[int] = []
-        for r, work in recvs.items():
+        timed_out: list[int] = []
+        for r, work in [*recvs.items(), *sends.items()]:
+            if r in closed or r in timed_out:
+                continue
             remaining = max(deadline - time.monotonic(), 0.001)
             try:
                 work.wait(timeout=timedelta(seconds=remaining))
-            except RuntimeError:
-                missing.append(r)
-        if missing:
-            ranks = ", ".join(map(str, missing))
+            except RuntimeError as error:
+                if "timed out" in str(error).lower():
+                    timed_out.append(r)
+                else:
+                    closed[r] = str(error)
+        if closed or timed_out:
+            missing = sorted([*closed, *timed_out])
+            parts = []
+            if timed_out:
+                parts.append(
+                    f"{_ranks(timed_out)} not heard from within "
+                    f"{self.timeout.total_seconds():g} s (they did not call it, or are "
+                    "stuck or dead)"
+                )
+            if closed:
+                parts.append(
+                    f"{_ranks(closed)} closed the connection before this rank joined "
+                    "(their own sync_observers timed out, or they exited; "
+                    f"{next(iter(closed.values()))})"
+                )
             raise RankTimeoutError(
-                f"rank {self.rank}: rank(s) {ranks} of {self.world} did not join "
-                f"sync_observers within {self.timeout.total_seconds():g} s (they did not "
-                "call it, or are stuck or dead); the model's observers are unchanged",
+                f"rank {self.rank}: {_ranks(missing)} of {self.world} did not join "
+                f"sync_observers: {'; '.join(parts)}; the model's observers are unchanged",
                 missing,
             )
-        for work in sends:
-            self.wait(work, "checking that every rank joined")
 
     def all_gather(self, tensor: torch.Tensor, step: str) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(self.world)]
-        self.wait(dist.all_gather(out, tensor, group=self.group, async_op=True), step)
+        options = AllgatherOptions()
+        options.timeout = self.timeout
+        options.asyncOp = True
+        self.wait(lambda: self.process_group.allgather([out], [tensor], options), step)
         return out
 
     def all_reduce(self, tensor: torch.Tensor, op: Any, step: str) -> torch.Tensor:
-        self.wait(dist.all_reduce(tensor, op, group=self.group, async_op=True), step)
+        options = AllreduceOptions()
+        options.reduceOp = op
+        options.timeout = self.timeout
+        options.asyncOp = True
+        self.wait(lambda: self.process_group.allreduce([tensor], options), step)
         return tensor
 
     def all_gather_json(self, value: Any, step: str) -> list[Any]:
@@ -337,6 +422,22 @@ def _check_same(payloads: list[dict]) -> None:
     for rank, payload in enumerate(payloads[1:], start=1):
         theirs = payload["observers"]
         for ours, other in zip(reference, theirs, strict=False):
+            if ours[:3] == other[:3] and ours[3] != other[3]:
+                # the same observer, set up differently: say which settings differ
+                mine, their = dict(ours[3]), dict(other[3])
+                differing = "; ".join(
+                    f"{name}={mine.get(name, '(none)')} on rank 0, "
+                    f"{name}={their.get(name, '(none)')} on rank {rank}"
+                    for name in sorted(mine.keys() | their.keys())
+                    if mine.get(name) != their.get(name)
+                )
+                raise ObserverMismatchError(
+                    f"observer {ours[0]!r} ({ours[1].rsplit('.', 1)[-1]}) of rank {rank} is "
+                    f"set up differently from rank 0's: {differing}. Merged, the ranks would "
+                    f"still convert to different models{hint}",
+                    rank,
+                    ours[0],
+                )
             if ours[:4] != other[:4] or not _shapes_match(ours[4], other[4]):
                 raise ObserverMismatchError(
                     f"the observers of rank {rank} differ from rank 0's at observer "
@@ -540,12 +641,16 @@ def sync_observers(
         a :class:`SyncResult` naming each observer and how it was merged.
 
     Raises:
-        RankTimeoutError: a rank did not join within ``timeout`` (names it).
+        RankTimeoutError: a rank did not join within ``timeout``, or had given up
+            (timed out) before this rank joined (names them).
         ObserverMismatchError: a rank's observers differ from rank 0's (names the
-            rank and the first differing observer), raised on every rank.
+            rank, the first differing observer and, for settings such as ``eps``,
+            both values), raised on every rank.
         ObserverSyncError: torch.distributed is not initialized, a collective
-            failed, or an observer keeps statistics this function cannot merge.
-        On any error, the model is left unchanged.
+            failed or timed out, an observer holds NaN statistics, or keeps
+            statistics this function cannot merge.
+        On any error, the model is left unchanged; ``destroy_process_group()``
+        returns promptly.
 
     Example::
 
@@ -574,11 +679,18 @@ def sync_observers(
     }
     comm.check_presence()
     # Ranks agree in the common case: compare digests first, whole lists only if they
-    # differ (to name the first differing observer) or a rank reports a problem.
+    # differ (to name the first differing observer) or a rank reports a problem. The
+    # non-finite values each observer skipped travel along: summed, every rank's
+    # convert warns about all of them, as one process calibrating on all the data.
     encoded = json.dumps(payload, sort_keys=True).encode()
-    digest = [hashlib.sha256(encoded).hexdigest(), problem is not None]
+    skipped = {obs.name: n for obs in observers if (n := skipped_count(obs.module))}
+    digest = [hashlib.sha256(encoded).hexdigest(), problem is not None, skipped]
     digests = comm.all_gather_json(digest, "comparing the ranks' observers")
-    if all(d == [digest[0], False] for d in digests):
+    skipped_total: dict[str, int] = {}
+    for _, _, counts in digests:
+        for name, count in counts.items():
+            skipped_total[name] = skipped_total.get(name, 0) + count
+    if all(d[:2] == [digest[0], False] for d in digests):
         payloads = [payload] * comm.world
     else:
         payloads = comm.all_gather_json(payload, "comparing the ranks' observers")
@@ -617,6 +729,8 @@ def sync_observers(
     # commit, all at once
     for obs in observers:
         module = obs.module
+        if obs.name in skipped_total or skipped_count(module):
+            module.nonfinite_skipped = skipped_total.get(obs.name, 0)
         if obs.name in min_max:
             _write(module.min_val, min_max[obs.name][0])
             _write(module.max_val, min_max[obs.name][1])

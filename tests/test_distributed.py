@@ -8,9 +8,15 @@ ranks. Faults (different models, another backend, a rank that never joins)
 are errors on the ranks that called, naming the rank and the observer, and the
 model is left as it was.
 
-All scenarios run in two spawned groups of two processes (one for everything
-that leaves the process group usable, one for the never-joining rank), each
-joined with a deadline and killed if it overruns.
+Hostile numbers (issue 14 section 5): a rank calibrating on NaN skips them and
+every rank's convert warns about the total; NaN statistics (torch.ao's observers
+propagate them) and an eps that differs between ranks are errors naming the rank
+and the observer; a rank arriving after the others timed out gets RankTimeoutError
+naming them; after a timeout destroy_process_group() returns promptly.
+
+All scenarios run in three spawned groups of two processes (one for everything
+that leaves the process group usable, one for the never-joining rank, one for a
+stuck and a late rank), each joined with a deadline and killed if it overruns.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from qcore.observers import (
     HistogramObserver,
     MinMaxObserver,
     MovingAverageMinMaxObserver,
+    NonFiniteValuesWarning,
     default_per_channel_weight_observer,
 )
 
@@ -47,6 +54,7 @@ BATCHES = 8
 SPLIT = 3  # rank 0 calibrates on batches [0, 3), rank 1 on [3, 8): unequal weights
 GROUP_DEADLINE = 60.0  # seconds for one spawned group, then its processes are killed
 FAULT_TIMEOUT = datetime.timedelta(seconds=5)
+GROUP_TIMEOUT = datetime.timedelta(seconds=30)  # the process group's own
 
 
 class Net(nn.Module):
@@ -87,6 +95,19 @@ def shard(rank: int) -> list[torch.Tensor]:
     return data()[:SPLIT] if rank == 0 else data()[SPLIT:]
 
 
+NAN_VALUES = 3  # in the batch rank 1 calibrates on last, in the "nan" scenarios
+
+
+def with_nan(batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    poisoned = batches[-1].clone()
+    poisoned.view(-1)[[5, 50, 100]] = float("nan")
+    return [*batches[:-1], poisoned]
+
+
+def nan_shard(rank: int) -> list[torch.Tensor]:
+    return with_nan(shard(rank)) if rank == 1 else shard(rank)
+
+
 def mapping(kind: str):
     if kind == "histogram":
         return qcore.get_default_qconfig_mapping("fbgemm")
@@ -94,8 +115,18 @@ def mapping(kind: str):
         return qcore.get_default_qconfig_mapping("qnnpack")
     if kind == "qat":
         return qcore.get_default_qat_qconfig_mapping("fbgemm")
+    if kind == "torch.ao minmax":
+        from torch.ao.quantization import observer as ao
+
+        return qcore.QConfigMapping().set_global(
+            qcore.QConfig(
+                activation=ao.MinMaxObserver.with_args(quant_min=0, quant_max=127),
+                weight=ao.default_per_channel_weight_observer,
+            )
+        )
     activation = {
         "minmax": MinMaxObserver.with_args(reduce_range=True),
+        "minmax eps": MinMaxObserver.with_args(reduce_range=True, eps=1e-5),
         "moving": MovingAverageMinMaxObserver.with_args(averaging_constant=0.3, reduce_range=True),
     }[kind]
     return qcore.QConfigMapping().set_global(
@@ -145,7 +176,7 @@ def observer_state(model: nn.Module) -> dict[str, torch.Tensor]:
 # -- the workers ------------------------------------------------------------------------
 
 
-def _init(rank: int, port: int) -> None:
+def _init(rank: int, port: int, timeout: datetime.timedelta = GROUP_TIMEOUT) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -153,7 +184,7 @@ def _init(rank: int, port: int) -> None:
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=WORLD,
-        timeout=datetime.timedelta(seconds=30),
+        timeout=timeout,
     )
 
 
@@ -174,16 +205,40 @@ def _calibrate_and_sync(rank: int, kind: str) -> dict:
     }
 
 
-def _mismatch(rank: int, kind_of_rank: dict, extra_on_rank: int | None) -> dict:
-    kind = kind_of_rank.get(rank, "histogram")
-    prepared = calibrate(prepare(kind, extra=rank == extra_on_rank), shard(rank))
+def _nan_calibrate_and_sync(rank: int, kind: str) -> dict:
+    """Rank 1's shard holds NaN: it skips them, and after the sync every rank's
+    convert warns once about the values all ranks skipped."""
+    prepared = calibrate(prepare(kind), nan_shard(rank))
+    qcore.sync_observers(prepared, timeout=datetime.timedelta(seconds=20))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        converted = qcore.convert_fx(copy.deepcopy(prepared))
+    nonfinite = [str(w.message) for w in caught if issubclass(w.category, NonFiniteValuesWarning)]
+    output = converted(held_out())
+    return {"state": observer_state(prepared), "output": output, "warnings": nonfinite}
+
+
+def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, NaN included (torch.ao's observers record NaN statistics)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point():
+        return torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+    return torch.equal(a, b)
+
+
+def _mismatch(
+    rank: int, kind_of_rank: dict, extra_on_rank: int | None, data_of=shard, default="histogram"
+) -> dict:
+    kind = kind_of_rank.get(rank, default)
+    prepared = calibrate(prepare(kind, extra=rank == extra_on_rank), data_of(rank))
     before = observer_state(prepared)
     try:
         qcore.sync_observers(prepared, timeout=FAULT_TIMEOUT)
     except qcore.ObserverSyncError as error:
         after = observer_state(prepared)
         unchanged = before.keys() == after.keys() and all(
-            torch.equal(before[k], after[k]) for k in before
+            _identical(before[k], after[k]) for k in before
         )
         return {"error": error, "unchanged": unchanged}
     return {"error": None}
@@ -196,6 +251,14 @@ def _worker(rank: int, port: int, outdir: str) -> None:
         _catch(results, kind, lambda kind=kind: _calibrate_and_sync(rank, kind))
     _catch(results, "other model", lambda: _mismatch(rank, {}, extra_on_rank=1))
     _catch(results, "other backend", lambda: _mismatch(rank, {1: "qnnpack"}, extra_on_rank=None))
+    _catch(results, "other eps", lambda: _mismatch(rank, {1: "minmax eps"}, None, default="minmax"))
+    for kind in ("minmax", "histogram"):
+        _catch(results, f"nan {kind}", lambda kind=kind: _nan_calibrate_and_sync(rank, kind))
+    _catch(
+        results,
+        "torch.ao nan",
+        lambda: _mismatch(rank, {}, None, data_of=nan_shard, default="torch.ao minmax"),
+    )
     torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -217,12 +280,73 @@ def _absent_worker(rank: int, port: int, outdir: str) -> None:
         after = observer_state(prepared)
         results["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
         open(os.path.join(outdir, "done"), "w").close()
+        started = time.monotonic()
+        dist.destroy_process_group()  # the documented cleanup after a timeout
+        results["destroy seconds"] = time.monotonic() - started
     else:
-        deadline = time.monotonic() + GROUP_DEADLINE
-        while not os.path.exists(os.path.join(outdir, "done")) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        _wait_for(outdir, "done")
     torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
-    # rank 0 has an unfinished receive: leave without destroying the process group
+
+
+SHORT_TIMEOUT = datetime.timedelta(seconds=2)
+
+
+def _wait_for(outdir: str, name: str) -> None:
+    deadline = time.monotonic() + GROUP_DEADLINE
+    while not os.path.exists(os.path.join(outdir, name)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _sync_outcome(prepared: nn.Module, group) -> dict:
+    started = time.monotonic()
+    try:
+        qcore.sync_observers(prepared, group=group, timeout=SHORT_TIMEOUT)
+        error = None
+    except Exception as caught:  # the test checks which
+        error = caught
+    return {"error": error, "seconds": time.monotonic() - started}
+
+
+def _stuck_and_late_worker(rank: int, port: int, outdir: str) -> None:
+    """First, on a group of its own, rank 1 arrives after rank 0 timed out waiting
+    for it. Then, on the world, rank 1 joins, then is stuck before the first
+    collective until rank 0 has timed out there and called destroy_process_group(),
+    which must not wait for the group's own timeout (15 s here)."""
+    _init(rank, port, timeout=datetime.timedelta(seconds=15))
+    late = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=15))
+    results: dict = {}
+    prepared = calibrate(prepare("minmax"), shard(rank))
+
+    if rank == 1:
+        _wait_for(outdir, "timed out")
+    results["late"] = _sync_outcome(prepared, late)
+    if rank == 0:
+        open(os.path.join(outdir, "timed out"), "w").close()
+        _wait_for(outdir, "late done")
+    else:
+        open(os.path.join(outdir, "late done"), "w").close()
+
+    dist.barrier()  # both call sync_observers together: rank 1 joins, then is stuck
+    if rank == 1:
+        from qcore.distributed import _Comm
+
+        gather = _Comm.all_gather_json
+
+        def stuck_gather(self, *args, **kwargs):
+            _wait_for(outdir, "stuck destroyed")
+            return gather(self, *args, **kwargs)
+
+        _Comm.all_gather_json = stuck_gather
+        results["stuck"] = _sync_outcome(prepared, None)
+        _Comm.all_gather_json = gather
+    else:
+        results["stuck"] = _sync_outcome(prepared, None)
+    started = time.monotonic()
+    dist.destroy_process_group()  # the documented cleanup
+    results["stuck"]["destroy seconds"] = time.monotonic() - started
+    if rank == 0:
+        open(os.path.join(outdir, "stuck destroyed"), "w").close()
+    torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
 
 
 def _free_port() -> int:
@@ -412,6 +536,82 @@ def test_rank_that_never_joins_is_named_within_the_timeout(tmp_path):
     timeout = FAULT_TIMEOUT.total_seconds()
     assert timeout - 0.5 <= results["seconds"] <= timeout + 5
     assert results["unchanged"]
+    assert results["destroy seconds"] < 5
+
+
+@pytest.fixture(scope="module")
+def stuck_and_late(tmp_path_factory) -> list[dict]:
+    return _spawn(_stuck_and_late_worker, tmp_path_factory.mktemp("stuck"))
+
+
+def test_destroy_after_a_timeout_in_a_collective_returns_promptly(stuck_and_late):
+    """torch.distributed's collectives left the group's own timeout to the backend:
+    destroy_process_group() waited for it (35 s in QA's run, 13 s here)."""
+    outcome = stuck_and_late[0]["stuck"]
+    error = outcome["error"]
+    assert isinstance(error, qcore.ObserverSyncError), repr(error)
+    assert "comparing the ranks' observers" in str(error) and "timeout 2 s" in str(error)
+    assert outcome["seconds"] < SHORT_TIMEOUT.total_seconds() + 5
+    assert outcome["destroy seconds"] < 5, outcome
+    # the stuck rank fails too once it gets there, and destroys promptly as well
+    assert isinstance(stuck_and_late[1]["stuck"]["error"], qcore.ObserverSyncError)
+    assert stuck_and_late[1]["stuck"]["destroy seconds"] < 5
+
+
+def test_rank_arriving_after_the_others_timed_out_gets_rank_timeout_error(stuck_and_late):
+    """It used to get gloo's raw RuntimeError ("Connection closed by peer")."""
+    first, latecomer = stuck_and_late[0]["late"], stuck_and_late[1]["late"]
+    assert isinstance(first["error"], qcore.RankTimeoutError) and first["error"].ranks == [1]
+    error = latecomer["error"]
+    assert isinstance(error, qcore.RankTimeoutError), repr(error)
+    assert error.ranks == [0]
+    assert "rank 1: rank(s) 0 of 2 did not join sync_observers" in str(error)
+    assert "closed the connection before this rank joined" in str(error)
+    assert latecomer["seconds"] < SHORT_TIMEOUT.total_seconds() + 5
+
+
+def test_eps_differing_between_ranks_is_an_error_naming_observer_and_values(ranks):
+    """Both ranks' observers merged to the same range but kept their own eps: they
+    converted to different models, and nothing said so."""
+    for rank, outcome in enumerate(result_of(ranks, "other eps")):
+        error = outcome["error"]
+        assert isinstance(error, qcore.ObserverMismatchError), f"rank {rank}: {error!r}"
+        assert error.rank == 1 and error.observer == "activation_post_process_0"
+        message = str(error)
+        assert "eps=1.1920928955078125e-07 on rank 0" in message
+        assert "eps=9.999999747378752e-06 on rank 1" in message
+        assert outcome["unchanged"], f"rank {rank}'s observers changed"
+
+
+@pytest.mark.parametrize("kind", ["minmax", "histogram"])
+def test_nan_on_one_rank_is_skipped_and_every_rank_warns_about_it(ranks, kind):
+    """Before: min/max observers merged the NaN into every rank (NaN scales, NaN
+    outputs); histograms failed in torch.histc on the rank that saw it."""
+    results = result_of(ranks, f"nan {kind}")
+    assert_same_on_every_rank(results)
+    assert torch.isfinite(results[0]["output"]).all()
+    # as one process calibrating on all the data, NaN batch included
+    expected = calibrate(prepare(kind), with_nan(data()))
+    ours, theirs = results[0]["output"], convert(expected)(held_out())
+    if kind == "minmax":
+        assert torch.equal(ours, theirs)
+    else:  # merged histograms: within a bin, so the output within a step
+        assert (ours - theirs).abs().max() <= (theirs.max() - theirs.min()) / 255 + 1e-6
+    for rank, result in enumerate(results):
+        assert len(result["warnings"]) == 1, f"rank {rank}: {result['warnings']}"
+        assert f"activation_post_process_0 (of 'x'): {NAN_VALUES}" in result["warnings"][0]
+    assert results[0]["warnings"] == results[1]["warnings"]
+
+
+def test_nan_statistics_are_an_error_naming_rank_and_observer(ranks):
+    """torch.ao's MinMaxObserver records NaN: merged, every rank would convert to NaN."""
+    for rank, outcome in enumerate(result_of(ranks, "torch.ao nan")):
+        error = outcome["error"]
+        assert isinstance(error, qcore.ObserverSyncError), f"rank {rank}: {error!r}"
+        message = str(error)
+        assert message.startswith("rank 1: observer 'activation_post_process_0'"), message
+        assert "min_val=nan" in message
+        assert outcome["unchanged"], f"rank {rank}'s observers changed"
 
 
 def test_without_a_process_group_is_a_clear_error():
