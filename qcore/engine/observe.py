@@ -19,6 +19,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
+from qcore.observers.substitute import fast_constructor
 from qcore.quantizer.spec import (
     DerivedQuantizationSpec,
     FixedQParamsQuantizationSpec,
@@ -116,12 +117,15 @@ def _make_observer(spec: QuantizationSpecBase, make_fixed: Callable) -> torch.nn
         kwargs["ch_axis"] = spec.ch_axis
     if spec.is_dynamic:
         kwargs["is_dynamic"] = True
+    # torch.ao's HistogramObserver (a porting user's mapping) is built as qcore's:
+    # same arguments and qparams, a vectorized search (qcore.observers.substitute)
+    ctr = fast_constructor(spec.observer_or_fake_quant_ctr)
     try:
-        return spec.observer_or_fake_quant_ctr(**kwargs)
+        return ctr(**kwargs)
     except TypeError:
         # A constructor whose arguments are already bound (with_args) or that
         # takes fewer keywords: it knows its own settings.
-        return spec.observer_or_fake_quant_ctr()
+        return ctr()
 
 
 # What makes two specs describe the same quantization (torchao's implicit-sharing
