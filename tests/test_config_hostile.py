@@ -521,6 +521,20 @@ def test_a_refusal_says_what_a_callable_field_takes():
         assert words in message, message
 
 
+def test_qcore_fusers_are_read_in_a_fresh_process():
+    # The reader imports qcore's callable modules itself: no backend need load first.
+    import subprocess
+
+    code = (
+        "import json\n"
+        "from qcore.config.json import from_json\n"
+        "config = {'pattern': 'relu', 'fuser_method': 'qcore.config.fusers.fuse_linear_relu',\n"
+        "          'root_node_getter': 'qcore.config.onednn_fusions.conv_add_left_root'}\n"
+        "from_json(json.dumps({'configs': [config]}))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def vendor_op(x: Any) -> Any:
     """A function a vendor's pattern matches (never meant to be called by a config)."""
     return x

@@ -113,6 +113,10 @@ from typing import Any
 
 import torch
 
+# qcore's own callable modules (DEFAULT_CALLABLE_MODULES) are imported with the
+# reader, so their fusers and getters can be named before any backend loads.
+import qcore.config.fusers  # noqa: F401
+import qcore.config.onednn_fusions  # noqa: F401
 from qcore.config.backend import BackendConfig
 from qcore.config.dtypes import DTypeConfig, DTypeWithConstraints, ObservationType
 from qcore.config.errors import ConfigError, describe, relocate
