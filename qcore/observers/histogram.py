@@ -194,7 +194,7 @@ class HistogramObserver(UniformQuantizationObserverBase):
         x_min, x_max = extremes
         # histc leaves out NaN and values outside [x_min, x_max], ±inf among them;
         # finite values beyond the limit are counted at its ends
-        if bool((x_min == -RANGE_LIMIT) | (x_max == RANGE_LIMIT)):
+        if x_min.item() == -RANGE_LIMIT or x_max.item() == RANGE_LIMIT:
             x = torch.where(torch.isfinite(x), x.clamp(-RANGE_LIMIT, RANGE_LIMIT), math.nan)
         self._record(x, x_min, x_max)
         return x_orig

@@ -80,13 +80,15 @@ def finite_aminmax(
     """``(min, max)`` of the finite values of ``x``, clamped to ±RANGE_LIMIT; ``None``
     when there are none. Skipped values are counted on ``observer``.
 
-    The common case costs one ``aminmax`` and one host sync on its two results; only
-    a tensor holding a NaN or an infinity is masked.
+    The common case costs one ``aminmax`` and reading its two results (a NaN or an
+    infinity fails the comparisons); only a tensor holding one is masked.
     """
     x_min, x_max = torch.aminmax(x)
-    if not bool(torch.isfinite(x_min) & torch.isfinite(x_max)):
-        finite = torch.isfinite(x)
-        kept = int(finite.sum())
+    if -RANGE_LIMIT <= x_min.item() and x_max.item() <= RANGE_LIMIT:
+        return x_min, x_max
+    finite = torch.isfinite(x)
+    kept = int(finite.sum())
+    if kept < x.numel():
         _count_skipped(observer, x.numel() - kept)
         if kept == 0:
             return None
@@ -103,19 +105,22 @@ def finite_aminmax_rows(
     that saw nothing holds; ``None`` when no row has any. Skipped values are counted
     on ``observer``."""
     mins, maxs = torch.aminmax(rows, dim=1)
-    if not bool((torch.isfinite(mins) & torch.isfinite(maxs)).all()):
-        finite = torch.isfinite(rows)
-        _count_skipped(observer, int(rows.numel() - finite.sum()))
+    # torch.min/max propagate NaN, which fails the comparisons as ±inf do
+    if -RANGE_LIMIT <= mins.min().item() and maxs.max().item() <= RANGE_LIMIT:
+        return mins, maxs
+    finite = torch.isfinite(rows)
+    skipped = int(rows.numel() - finite.sum())
+    if skipped:
+        _count_skipped(observer, skipped)
         mins = torch.where(finite, rows, math.inf).amin(dim=1)
         maxs = torch.where(finite, rows, -math.inf).amax(dim=1)
-        seen = torch.isfinite(mins)  # a row with a finite value has both ends finite
-        if not bool(seen.any()):
-            return None
-        return (
-            torch.where(seen, mins.clamp(-RANGE_LIMIT, RANGE_LIMIT), mins),
-            torch.where(seen, maxs.clamp(-RANGE_LIMIT, RANGE_LIMIT), maxs),
-        )
-    return mins.clamp(-RANGE_LIMIT, RANGE_LIMIT), maxs.clamp(-RANGE_LIMIT, RANGE_LIMIT)
+    seen = torch.isfinite(mins)  # a row with a finite value has both ends finite
+    if not bool(seen.any()):
+        return None
+    return (
+        torch.where(seen, mins.clamp(-RANGE_LIMIT, RANGE_LIMIT), mins),
+        torch.where(seen, maxs.clamp(-RANGE_LIMIT, RANGE_LIMIT), maxs),
+    )
 
 
 def _nan_statistics(observer: nn.Module) -> str | None:
