@@ -221,7 +221,15 @@ class UniformQuantizationObserverBase(ObserverBase):
                 stacklevel=3,
             )
             return torch.tensor([1.0], device=device), torch.tensor([0], device=device)
-        if bool(torch.isnan(min_val).any() | torch.isnan(max_val).any()):
+        if min_val.numel() == 1 and max_val.numel() == 1:
+            # per tensor (every QAT step): compare on the host, no tensor ops
+            lo, hi = min_val.item(), max_val.item()
+            nan = math.isnan(lo) or math.isnan(hi)
+            beyond = not (-RANGE_LIMIT <= lo and hi <= RANGE_LIMIT)
+        else:
+            nan = bool(torch.isnan(min_val).any() | torch.isnan(max_val).any())
+            beyond = True
+        if nan:
             # qcore's observers skip NaN; this comes from a state_dict or a subclass
             raise ValueError(
                 f"{type(self).__name__}: min_val={min_val.tolist()}, max_val="
@@ -236,9 +244,10 @@ class UniformQuantizationObserverBase(ObserverBase):
                 max_val = torch.where(empty, torch.zeros_like(max_val), max_val)
         if torch.any(min_val > max_val):
             raise ValueError(f"min {min_val} should be less than max {max_val}")
-        # a range wider than float32 can span would give an infinite scale
-        min_val = min_val.clamp(-RANGE_LIMIT, RANGE_LIMIT)
-        max_val = max_val.clamp(-RANGE_LIMIT, RANGE_LIMIT)
+        if beyond:
+            # a range wider than float32 can span would give an infinite scale
+            min_val = min_val.clamp(-RANGE_LIMIT, RANGE_LIMIT)
+            max_val = max_val.clamp(-RANGE_LIMIT, RANGE_LIMIT)
 
         quant_min, quant_max = self.quant_min, self.quant_max
         min_neg = torch.min(min_val, torch.zeros_like(min_val))
