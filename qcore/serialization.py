@@ -89,6 +89,7 @@ _TORCH_EXTRAS = (
     "_assert _check _check_is_size sym_float sym_int sym_ite sym_max sym_min sym_not "
     "is_tensor is_floating_point is_complex"
 ).split()
+_HELPER_MODULES = ("torch._jit_internal", "torch.overrides")
 _OP_NAMESPACES = ("aten", "prims", "quantized", "quantized_decomposed", "torchao")
 _HIGHER_ORDER = (
     "associative_scan",
@@ -293,8 +294,10 @@ class _AllowList:
         return key
 
     def resolve_class(self, key: Any, where: str, kind: str) -> type:
-        """``key`` is ``module:qualname``. Only modules already imported are looked
-        in (a file never makes qcore import anything), and only trusted ones."""
+        """``key`` is ``module:qualname``, in a trusted package: torch.nn, torch.ao.nn,
+        torch.fx, qcore, or a plugin of a backend the file names (loaded as
+        ``get_backend`` loads it). Only modules already imported are looked in: a
+        module the file names is never imported."""
         if not isinstance(key, str) or key.count(":") != 1:
             raise RefusedFileError(f"{where}: malformed class reference {key!r}")
         if key in self.extra_classes:
@@ -366,7 +369,9 @@ def _standard_functions() -> tuple[tuple[str, Callable], ...]:
             value = getattr(namespace, name, None)
             if not _is_public_name(name) or isinstance(value, type) or not callable(value):
                 continue
-            if str(getattr(value, "__module__", None) or "torch").startswith("torch"):
+            module = str(getattr(value, "__module__", None) or "torch")
+            # torch's operators, not its helpers that build or dispatch to other callables
+            if module.startswith("torch") and module not in _HELPER_MODULES:
                 found.append((f"{prefix}.{name}", value))
     found += [(f"operator.{name}", getattr(operator, name)) for name in _OPERATOR]
     found += [(f"builtins.{name}", getattr(builtins, name)) for name in _BUILTINS]
@@ -408,9 +413,13 @@ def _plugin_packages(backends: Iterable[str]) -> set[str]:
             continue
         for plugin in backend.plugins:
             obj = plugin.obj
-            module = obj.__name__ if isinstance(obj, type(sys)) else type(obj).__module__
-            if module:
-                packages.add(module.split(".")[0])
+            if isinstance(obj, type(sys)):
+                module = obj.__name__
+            else:
+                module = getattr(obj if isinstance(obj, type) else type(obj), "__module__", "")
+            package = str(module or "").split(".")[0]
+            if package and package not in sys.stdlib_module_names and package != "torch":
+                packages.add(package)
     return packages
 
 
@@ -450,8 +459,8 @@ class _Encoder:
                 torch.nn.Parameter,
             ):
                 raise UnsupportedModelError(
-                    f"{where}: a {type(value).__name__} with layout {value.layout}; qcore.save "
-                    "stores dense tensors"
+                    f"{where}: a {type(value).__name__} (layout {value.layout}); qcore.save "
+                    "stores dense torch.Tensors and Parameters"
                 )
             key = str(len(self._keys))
             self._keys[id(value)] = key
@@ -742,7 +751,19 @@ class _Decoder:
         if key not in self._tensors:
             raw = self._raw[key]
             meta = self._meta.get(key, {})
-            _expect(isinstance(meta, dict), where, "tensor metadata as a dict", meta)
+            _expect(
+                isinstance(meta, dict)
+                and all(type(meta.get(k, False)) is bool for k in ("parameter", "requires_grad")),
+                where,
+                "tensor metadata {'parameter': bool, 'requires_grad': bool}",
+                meta,
+            )
+            _expect(
+                not meta.get("requires_grad") or raw.is_floating_point() or raw.is_complex(),
+                where,
+                "requires_grad only on floating-point tensors",
+                raw.dtype,
+            )
             if meta.get("parameter"):
                 value: torch.Tensor = torch.nn.Parameter(raw, bool(meta.get("requires_grad")))
             else:
@@ -946,7 +967,12 @@ class _Decoder:
         tracer = data.get("tracer")
         if tracer is not None:
             gm._tracer_cls = self.value(tracer, where)
-        gm.graph = graph  # generates forward from the checked graph
+        try:
+            gm.graph = graph  # generates forward from the checked graph
+        except Exception as error:
+            raise RefusedFileError(
+                f"{where}: the graph does not compile: {type(error).__name__}: {error}"
+            ) from error
         report = data.get("report")
         if report is not None:
             decoded = self.value(report, where)
@@ -1093,8 +1119,19 @@ class _Decoder:
                 specs.append(None if text is None else treespec_loads(text))
             except Exception as error:
                 raise RefusedFileError(f"{where}: {field} does not parse: {error}") from None
+        _check_keyword_inputs(specs[0], where)
         info = torch.fx.graph._PyTreeInfo(orig_args, specs[0], specs[1])
         return torch.fx.graph._PyTreeCodeGen(info)
+
+
+def _check_keyword_inputs(in_spec: Any, where: str) -> None:
+    """torch.fx writes the keys of an in_spec's keyword inputs into forward's code."""
+    if in_spec is None or in_spec.type is not tuple or in_spec.num_children != 2:
+        return
+    args, kwargs = in_spec.child(0), in_spec.child(1)
+    if args.type is tuple and kwargs.type is dict:
+        for key in kwargs.context:
+            _identifier(key, where, "in_spec's keyword input names")
 
 
 def _name_of(f: Any) -> str:
@@ -1191,6 +1228,10 @@ def load(f: FileLike, *, allow: Iterable[Any] = ()) -> torch.nn.Module:
         raise RefusedFileError(f"{where}: the model is nested too deeply") from None
     except RefusedFileError as error:
         raise RefusedFileError(f"qcore.load refused {_name_of(f)}: {error}") from None
+    except Exception as error:  # a value of the right kind but out of range, say
+        raise RefusedFileError(
+            f"{where}: the model it describes does not rebuild: {type(error).__name__}: {error}"
+        ) from error
 
 
 def _roundtrip(model: torch.nn.Module, allow: Iterable[Any] = ()) -> torch.nn.Module:

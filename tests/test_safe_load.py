@@ -153,6 +153,24 @@ def test_kernel_round_trips_bit_exact(name, backend, lower, tmp_path):
     _assert_same_model(_save_load(model, tmp_path, _other_engine(backend)), model, built.inputs)
 
 
+@pytest.mark.parametrize("config", [{}, {"is_per_channel": True, "is_dynamic": True}])
+def test_model_quantized_by_a_torchao_quantizer_round_trips(config, tmp_path):
+    xnnpack = pytest.importorskip("torchao.testing.pt2e._xnnpack_quantizer")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "XNNPACKQuantizer is deprecated!"
+        quantizer = xnnpack.XNNPACKQuantizer().set_global(
+            xnnpack.get_symmetric_quantization_config(**config)
+        )
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 10))
+    x = torch.randn(2, 3, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = qcore.prepare_pt2e(torch.export.export(model.eval(), (x,)).module(), quantizer)
+    prepared(x)
+    converted = qcore.convert_pt2e(prepared)  # the reference form: torchao names no backend
+    _assert_same_model(_save_load(converted, tmp_path, "qnnpack"), converted, (x,))
+
+
 def test_loaded_model_saves_again_to_the_same_model(tmp_path):
     name, backend = "resnet18_like", next(b for b in ALL_BACKENDS if installed(b))
     converted = _converted(name, backend, "fx", True)
@@ -405,6 +423,14 @@ def _bad_treespec(payload, marker):
     payload["model"]["graph"]["codegen"]["in_spec"] = '[1, {"type": "os.system"}]'
 
 
+def _inject_in_spec_keyword(payload, marker):
+    _inject_orig_args(payload, marker)
+    key = f"x': __import__('os').system('touch {marker}'), 'y"
+    _, spec = torch.utils._pytree.tree_flatten(((), {key: 1}))
+    payload["model"]["graph"]["codegen"]["orig_args"] = ["x"]
+    payload["model"]["graph"]["codegen"]["in_spec"] = torch.utils._pytree.treespec_dumps(spec)
+
+
 def _get_attr_path(target: str) -> Callable:
     def edit(payload, marker):
         _first(payload, "get_attr")["target"] = target
@@ -462,6 +488,7 @@ CRAFTED = {
     "code in a keyword": (_inject_kwarg, r"kwargs keyed by identifiers"),
     "code in forward's arguments": (_inject_orig_args, r"expected an input name"),
     "unknown pytree type": (_bad_treespec, r"in_spec does not parse"),
+    "code in an in_spec keyword": (_inject_in_spec_keyword, r"in_spec's keyword input names"),
     "get_attr __class__": (_get_attr_path("__class__.__init__"), r"a dotted attribute path"),
     "get_attr missing": (_get_attr_path("not_there"), r"a parameter, buffer, submodule or"),
     "call_module __class__": (_call_module_path, r"a dotted attribute path"),
