@@ -145,3 +145,18 @@ def test_nodes_keep_the_stack_trace_of_the_users_forward(convert):
     for model in (prepared, convert(prepared)):
         conv = next(n for n in model.graph.nodes if n.target == "conv1")
         assert "x = self.conv1(x)" in conv.stack_trace
+
+
+@pytest.mark.skipif(not installed("fbgemm"), reason="needs the fbgemm plugin")
+def test_torch_ao_observer_state_dict_utilities_take_qcore_observers():
+    """torch.ao's get/load_observer_state_dict know observers by torch.ao's base
+    classes: with qcore's own HistogramObserver built from torch.ao's QConfig, a
+    saved calibration was silently not loaded (every scale 1.0)."""
+    model, x = ShapeBetweenConvs().eval(), torch.randn(2, 2, 4, 4)
+    mapping = {"": torch.ao.quantization.get_default_qconfig("fbgemm")}
+    calibrated = qcore.prepare_fx(model, mapping, (x,), "fbgemm")
+    calibrated(x)
+    fresh = qcore.prepare_fx(model, mapping, (x,), "fbgemm")
+    state = torch.ao.quantization.get_observer_state_dict(calibrated)
+    torch.ao.quantization.load_observer_state_dict(fresh, state)
+    assert torch.equal(qcore.convert_fx(fresh)(x), qcore.convert_fx(calibrated)(x))

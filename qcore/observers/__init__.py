@@ -7,6 +7,8 @@ or give NaN and infinite scales, on NaN, ±inf and huge calibration values,
 qcore's skip and clamp them and convert warns once (:mod:`qcore.observers.nonfinite`).
 """
 
+import torch.ao.quantization
+
 from qcore.observers.base import ObserverBase, PartialConstructor, UniformQuantizationObserverBase
 from qcore.observers.defaults import *  # noqa: F403
 from qcore.observers.defaults import __all__ as _defaults
@@ -65,3 +67,9 @@ __all__ = [
     "enable_observer",
     *_defaults,
 ]
+
+# torch.ao's utilities (get_observer_state_dict, load_observer_state_dict, its
+# _is_activation_post_process) know observers by torch.ao's abstract bases; qcore's
+# have the same interface and state_dict keys, so they register as their subclasses.
+torch.ao.quantization.ObserverBase.register(ObserverBase)
+torch.ao.quantization.FakeQuantizeBase.register(FakeQuantizeBase)
