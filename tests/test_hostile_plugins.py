@@ -116,6 +116,7 @@ for case in json.loads(os.environ["QCORE_PROBE_CASES"]):
     print("PROBE " + json.dumps(report), flush=True)
 """
 
+BLOCKED = "qcore-acme,qcore-broken"
 BLOCKED_SPELLINGS = ("qcore-hostile", "QCORE.HOSTILE", "qcore_hostile:hostile")
 CASES = (
     [{}]
@@ -123,11 +124,11 @@ CASES = (
     + [{"QCORE_HOSTILE_X86": behaviour} for behaviour in sorted(X86_BEHAVIOURS)]
     + [
         # The advice a broken extension's error gives, followed.
-        {"QCORE_HOSTILE_X86": behaviour, "QCORE_BLOCK_PLUGINS": "qcore-acme,QCore_Hostile:x86"}
+        {"QCORE_HOSTILE_X86": behaviour, "QCORE_BLOCK_PLUGINS": f"{BLOCKED},QCore_Hostile:x86"}
         for behaviour in sorted(X86_BEHAVIOURS)
     ]
     + [
-        {"QCORE_HOSTILE": "exit-import", "QCORE_BLOCK_PLUGINS": f"qcore-acme,{blocked}"}
+        {"QCORE_HOSTILE": "exit-import", "QCORE_BLOCK_PLUGINS": f"{BLOCKED},{blocked}"}
         for blocked in BLOCKED_SPELLINGS
     ]
 )
@@ -171,8 +172,9 @@ def run(site: Path, *args: str, code: str | None = None, timeout: float = 300, *
     environ["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(site), os.environ.get("PYTHONPATH", "")])
     )
-    # Each misbehaviour is tried alone: acme (a vendor of its own) only where asked for.
-    environ["QCORE_BLOCK_PLUGINS"] = "qcore-acme"
+    # Each misbehaviour is tried alone: acme (a vendor of its own) only where asked
+    # for, and tests/thirdparty/broken (installed by tox -e thirdparty) never.
+    environ["QCORE_BLOCK_PLUGINS"] = BLOCKED
     environ.update(env)
     argv = ["-c", code] if code is not None else ["-m", "qcore", *args]
     return subprocess.run(
@@ -264,7 +266,7 @@ def test_a_broken_extension_of_x86_says_how_to_block_it(reports, behaviour):
     # native reports the backend it lost.
     assert "x86" not in report["native"] and report["left_out"] == ["x86"]
     # Following the advice brings x86 back.
-    blocked = "qcore-acme,QCore_Hostile:x86"
+    blocked = f"{BLOCKED},QCore_Hostile:x86"
     report = report_of(reports, QCORE_HOSTILE_X86=behaviour, QCORE_BLOCK_PLUGINS=blocked)
     assert report["backends"]["x86"] == "ok" and report["left_out"] == []
 
@@ -272,7 +274,7 @@ def test_a_broken_extension_of_x86_says_how_to_block_it(reports, behaviour):
 @pytest.mark.parametrize("blocked", BLOCKED_SPELLINGS)
 def test_blocking_matches_normalized_names(reports, blocked):
     report = report_of(
-        reports, QCORE_HOSTILE="exit-import", QCORE_BLOCK_PLUGINS=f"qcore-acme,{blocked}"
+        reports, QCORE_HOSTILE="exit-import", QCORE_BLOCK_PLUGINS=f"{BLOCKED},{blocked}"
     )
     assert "blocked by QCORE_BLOCK_PLUGINS" in report["backends"]["hostile"]
     assert not report["imported"]
@@ -305,7 +307,7 @@ def test_qcore_backends_imports_no_plugin(site):
 
 
 def test_a_blocked_plugin_is_not_broken(site):
-    result = run(site, "backends", "--load", QCORE_BLOCK_PLUGINS="qcore-acme,qcore-hostile")
+    result = run(site, "backends", "--load", QCORE_BLOCK_PLUGINS=f"{BLOCKED},qcore-hostile")
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line for line in result.stdout.splitlines() if "QCore_Hostile" in line]
     assert rows and all(line.rstrip().endswith("blocked") for line in rows)
@@ -410,14 +412,16 @@ for blocked in json.loads(os.environ["QCORE_VENDOR_CASES"]):
     print("VENDOR " + json.dumps(report), flush=True)
 """
 
-WITHOUT_VENDORS = "qcore-acme,qcore-hostile"
+# tox -e thirdparty also installs qcore-mychip, which extends x86: kept out of both.
+WITH_VENDORS = "qcore-broken,qcore-mychip:x86"
+WITHOUT_VENDORS = f"{WITH_VENDORS},qcore-acme,qcore-hostile"
 
 
 @pytest.fixture(scope="module")
 def vendors(site) -> dict[str, dict]:
     if "x86" not in OTHERS:
         pytest.skip("needs the x86 plugin")
-    cases = [WITHOUT_VENDORS, ""]
+    cases = [WITHOUT_VENDORS, WITH_VENDORS]
     result = run(site, code=VENDOR_PROBE, QCORE_VENDOR_CASES=json.dumps(cases))
     lines = [line[7:] for line in result.stdout.splitlines() if line.startswith("VENDOR ")]
     assert len(lines) == len(cases), result.stderr[-3000:]
@@ -428,7 +432,7 @@ def test_a_vendor_ignoring_backend_does_not_change_native(vendors):
     """qcore-acme answers every hook whatever `backend` says (its fuser makes its own
     fused module, its default QConfigMapping is qint8) and its name sorts first.
     QCore_Hostile, installed too, adds GELU to x86: the model has none."""
-    alone, with_acme = vendors[WITHOUT_VENDORS], vendors[""]
+    alone, with_acme = vendors[WITHOUT_VENDORS], vendors[WITH_VENDORS]
     assert with_acme["native_mapping"] == alone["native_mapping"]
     for path in ("native_fx", "native_pt2e"):
         assert with_acme[path]["explain"] == alone[path]["explain"], path
@@ -446,14 +450,14 @@ def test_pt2e_native_is_the_union(vendors):
         kernels = [entry[3] for entry in report["native_pt2e"]["explain"]]
         assert kernels == [entry[3] for entry in report["native_fx"]["explain"]]
     # The GELU pattern and kernel QCore_Hostile adds to x86 reach native on PT2E too.
-    entries = {e[0]: e for e in vendors[""]["gelu_pt2e_native"]["explain"]}
+    entries = {e[0]: e for e in vendors[WITH_VENDORS]["gelu_pt2e_native"]["explain"]}
     assert [e[2:4] for e in entries.values() if e[1] == "aten.gelu"] == [
         ["quantized", "hostile.gelu"]
     ] * 2
 
 
 def test_pt2e_x86_uses_what_its_extension_adds(vendors):
-    alone, extended = vendors[WITHOUT_VENDORS], vendors[""]
+    alone, extended = vendors[WITHOUT_VENDORS], vendors[WITH_VENDORS]
     assert alone["x86_quantizer"] == "X86Quantizer"
     assert extended["x86_quantizer"] == "ExtendedQuantizer"
     # FX: the vendor's GELU pattern and kernel are used.
