@@ -17,6 +17,7 @@ import warnings
 import pytest
 import torch
 import torch.ao.quantization as tq
+from backends import installed
 from torch import nn
 from torch.ao.quantization import observer as ao
 
@@ -28,6 +29,8 @@ from qcore.observers.substitute import fast_constructor
 from qcore.pt2e import BackendQuantizer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+requires_x86 = pytest.mark.skipif(not installed("x86"), reason="needs the x86 plugin")
+requires_a_plugin = pytest.mark.skipif(not installed("native"), reason="needs a backend plugin")
 
 
 def _streams():
@@ -276,6 +279,7 @@ def _prepare_fx(mapping, substitute: bool, monkeypatch):
     return prepared
 
 
+@requires_x86
 @pytest.mark.parametrize("kind", ["x86", "fbgemm", "qnnpack"])
 def test_fx_with_torch_ao_mapping_builds_qcore_histograms_with_torch_ao_qparams(kind, monkeypatch):
     mapping = tq.get_default_qconfig_mapping(kind)
@@ -303,6 +307,7 @@ def test_fx_with_torch_ao_mapping_builds_qcore_histograms_with_torch_ao_qparams(
         assert torch.equal(qcore.convert_fx(fast)(x), qcore.convert_fx(slow)(x))
 
 
+@requires_x86
 def test_fx_keeps_a_users_subclass():
     qconfig = tq.QConfig(
         activation=_MyHistogram.with_args(reduce_range=True),
@@ -316,6 +321,7 @@ def test_fx_keeps_a_users_subclass():
     assert _MyHistogram in kinds and qc.HistogramObserver not in kinds
 
 
+@requires_x86
 def test_pt2e_with_torch_ao_mapping_builds_qcore_histograms(monkeypatch):
     mapping = tq.get_default_qconfig_mapping("x86")
     x = _batches()[0]
@@ -349,6 +355,7 @@ def test_pt2e_with_torch_ao_mapping_builds_qcore_histograms(monkeypatch):
         assert torch.equal(qcore.convert_pt2e(fast)(x), qcore.convert_pt2e(slow)(x))
 
 
+@requires_x86
 def test_nan_in_calibration_is_skipped_where_torch_ao_failed():
     """The substitute is qcore's observer: a NaN is skipped and counted (convert warns)
     where torch.ao's HistogramObserver failed in torch.histc."""
@@ -411,6 +418,7 @@ NON_TENSOR_CASES = {
 }
 
 
+@requires_a_plugin
 @pytest.mark.parametrize("case", list(NON_TENSOR_CASES))
 def test_non_tensor_args_not_observed_with_torch_ao_qconfig(case):
     func, lin_in, y, z = NON_TENSOR_CASES[case]
