@@ -376,12 +376,13 @@ def test_nan_in_calibration_is_skipped_where_torch_ao_failed():
     assert torch.isfinite(converted(_batches()[2])).all()
 
 
-# -- what torch.ao's peer suite can no longer see ----------------------------------------
+# -- non-tensor arguments stay unobserved ------------------------------------------------
 #
 # The peer suite's _test_dtype_propagation (get_default_qconfig("fbgemm")) finds
 # observers with torch.ao's _is_activation_post_process, an isinstance of torch.ao's
-# ObserverBase: qcore's HistogramObserver is not one, so those peer tests no longer
-# see the activation observers. The same property, with qcore's observers counted too.
+# ObserverBase; qcore's observers pass it as virtual subclasses (qcore.observers
+# registers them), so those tests see the substituted HistogramObservers. The same
+# property here, whichever observer classes the prepared graph holds.
 
 
 def _is_observer(module: nn.Module) -> bool:
