@@ -1,7 +1,12 @@
 """Kernels for activations: relu on int8 as it is; relu6, hardtanh and clamp on
-int8 in any memory layout; fixed-qparams ops (sigmoid, tanh, hardsigmoid); and
-hardswish, elu and leaky relu, which requantize to their output's qparams inside
-torch's kernel.
+int8 in any memory layout; fixed-qparams ops (sigmoid, tanh, hardsigmoid); elu and
+leaky relu, which requantize to their output's qparams inside torch's kernel; and
+hardswish, computed as the reference does.
+
+Every kernel's output is the same whatever ``torch.backends.quantized.engine``
+says: where torch's int8 op picks its implementation by that global and the
+implementations disagree (clamp on channels-last input, hardswish's rounding),
+the kernel avoids that (tests/test_engine_independence.py).
 """
 
 from __future__ import annotations
@@ -35,7 +40,6 @@ __all__ = [
 
 # torch's ops, bound once: a lookup through torch.ops costs about as much as the
 # Python around a kernel call. TorchScript compiles them as the ops themselves.
-_hardswish = torch.ops.quantized.hardswish
 _elu = torch.ops.quantized.elu
 _leaky_relu = torch.ops.quantized.leaky_relu
 
@@ -54,12 +58,12 @@ class QuantizedClamp(torch.nn.Module):
     torch applies to the int8 values in the input's qparams (exact), then a
     requantization where the output's qparams differ from the input's.
 
-    torch 2.13's qnnpack clamp (what hardtanh, relu6 and clamp with both bounds
-    run under the qnnpack engine) reads a channels-last input as if it were
-    contiguous and returns its values scrambled; every int8 conv returns
-    channels-last. So under that engine, the clamp runs on the input's memory
-    in its own order. (A model lowered for another engine keeps torch's op: run
-    a backend's model under its own engine.)
+    The clamp runs on the input's memory in its own order (a contiguous view: no
+    copy), on every engine. torch 2.13's qnnpack clamp (what hardtanh, relu6 and
+    clamp run while the global quantized engine is qnnpack) reads a channels-last
+    input as if it were contiguous and scrambles it, and every int8 conv returns
+    channels-last; on a contiguous view both torch's clamps are exact, so the output
+    does not depend on which one the global engine picks.
     """
 
     returns_quantized = True
@@ -96,15 +100,11 @@ class QuantizedClamp(torch.nn.Module):
         min_val: Any = None,
         max_val: Any = None,
     ) -> torch.Tensor:
-        if torch.jit.is_scripting():
-            # TorchScript cannot read torch's global engine: memory order on any engine
-            # (exact: clamping is elementwise)
-            torch_clamp_is_right = x.is_contiguous()
-        else:
-            # torch's clamp is right there; permuting costs
-            torch_clamp_is_right = x.is_contiguous() or torch.backends.quantized.engine != "qnnpack"
-        if torch_clamp_is_right:
-            clamped = torch.clamp(x, self.low, self.high)
+        if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+            # every int8 conv's output: its NHWC view is contiguous (the common case,
+            # without the generic helpers' calls: this runs after most convs)
+            nhwc = torch.clamp(x.permute(0, 2, 3, 1), self.low, self.high)
+            clamped = nhwc.permute(0, 3, 1, 2)
         else:
             view, back = in_memory_order(x)
             clamped = back_from_memory_order(torch.clamp(view, self.low, self.high), back)
@@ -148,16 +148,14 @@ def clamp_bounds(match: KernelMatch) -> tuple[float | None, float | None]:
     return _constant(low, "min"), _constant(high, "max")
 
 
-def lower_clamp(match: KernelMatch) -> QuantizedClamp | SameOp:
-    """relu6, hardtanh, clamp. torch's op as it is where it is right (two bounds,
-    an engine other than qnnpack: no Python in between), else
-    :class:`QuantizedClamp`. torch's qnnpack int8 clamp needs both bounds: a
-    missing one is the input's most extreme value, which clamps nothing."""
+def lower_clamp(match: KernelMatch) -> QuantizedClamp:
+    """relu6, hardtanh, clamp: :class:`QuantizedClamp` on every engine (torch's op as
+    it is would scramble channels-last inputs whenever the global engine is qnnpack).
+    torch's qnnpack int8 clamp needs both bounds: a missing one is the input's most
+    extreme value, which clamps nothing."""
     same = same_as_input(match)
     produces = same.produces
     low, high = clamp_bounds(match)
-    if match.engine != "qnnpack" and low is not None and high is not None:
-        return same
     requantize_to = None if match.output == produces else match.output
     values = torch.iinfo(storage_dtype(produces.dtype))
     if low is None:
@@ -191,10 +189,20 @@ def lower_fixed_qparams(match: KernelMatch, op: str) -> SameOp:
 
 
 class QuantizedHardswish(OutputKernel):
-    """``torch.ops.quantized.hardswish``."""
+    """hardswish as the reference computes it: on the dequantized input, quantized to
+    the output's qparams (in the input's dtype).
+
+    Not ``torch.ops.quantized.hardswish``: its result depends on the global quantized
+    engine (under qnnpack, torch 2.13 runs qnnpack's hardswish, which rounds some
+    values one step apart from the other engines' kernel). This costs a float pass
+    (measured in docs/architecture.md's kernel decisions); the values are the
+    reference's.
+    """
 
     def forward(self, x: torch.Tensor, inplace: Any = None) -> torch.Tensor:
-        return _hardswish(x, self.scale, self.zero_point)
+        return torch.quantize_per_tensor(
+            F.hardswish(x.dequantize()), self.scale, self.zero_point, x.dtype
+        )
 
 
 def lower_hardswish(match: KernelMatch):

@@ -6,7 +6,8 @@ from as ordinary buffers -- the integer weight, its scale and zero point, the
 float bias -- so ``state_dict()`` holds plain tensors, ``load_state_dict``
 re-packs from the loaded ones, and pickling (``torch.save`` of the whole model,
 ``copy.deepcopy``) drops the packed object and re-packs on load, for the
-kernel's own engine.
+kernel's own engine whatever ``torch.backends.quantized.engine`` says then
+(:func:`qcore.kernels.runtime.packing_for`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from qcore.engine.reference import QParams, ReferenceModule, weighted_child
-from qcore.kernels.runtime import TORCH_QUANTIZED_DTYPE, quiet_quantized_tensors, using_engine
+from qcore.kernels.runtime import TORCH_QUANTIZED_DTYPE, packing_for, quiet_quantized_tensors
 
 __all__ = ["OutputQParamsState", "PackedWeights"]
 
@@ -54,6 +55,11 @@ class PackedWeights(OutputQParamsState):
     """
 
     returns_quantized = True
+
+    #: Whether :meth:`pack` calls torch's ``quantized`` prepack ops, which pack for the
+    #: global engine (so :meth:`repack` sets it to the kernel's, under a lock); oneDNN's
+    #: ``torch.ops.onednn`` prepack ops read no global.
+    packs_for_global_engine = True
 
     def __init__(self, engine: str) -> None:
         super().__init__()
@@ -111,11 +117,14 @@ class PackedWeights(OutputQParamsState):
         )
 
     def pack(self) -> Any:
-        """The packed object for the current engine (called inside ``using_engine``)."""
+        """The packed object for the kernel's engine (called inside ``packing_for``)."""
         raise NotImplementedError
 
     def repack(self) -> None:
-        with using_engine(self.engine):
+        if not self.packs_for_global_engine:
+            self._packed = self.pack()
+            return
+        with packing_for(self.engine):
             self._packed = self.pack()
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:

@@ -1,5 +1,12 @@
 """What kernels share: engine-scoped packing and torch's quantized tensors.
 
+A converted model carries its backend's kernels whatever the global
+``torch.backends.quantized.engine`` says: each kernel's weights are packed for its
+own engine, and no kernel reads or sets that global while it runs. Only packing
+touches it, because torch's prepack ops (``quantized::linear_prepack``,
+``conv2d_prepack``, ...) take no engine argument and pack for the global one:
+:func:`packing_for` sets it, packs and restores it under one module-level lock.
+
 torch's int8 kernels take torch.quint8/qint8 tensors. torch 2.13 deprecates
 creating them and warns, once per process (TORCH_WARN_ONCE). qcore's kernels
 use them only inside a converted model, so at lowering time qcore spends that
@@ -12,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import platform
+import threading
 import warnings
 from collections.abc import Iterator
 
@@ -20,6 +28,7 @@ import torch
 __all__ = [
     "TORCH_QUANTIZED_DTYPE",
     "int8_products_saturate",
+    "packing_for",
     "using_engine",
     "quiet_quantized_tensors",
     "to_torch_qtensor",
@@ -65,22 +74,52 @@ def quiet_quantized_tensors() -> None:
     _spent = True
 
 
-@contextlib.contextmanager
-def using_engine(engine: str) -> Iterator[None]:
-    """torch's global quantized engine set to ``engine`` for the block: to pack
-    weights for it whatever the user's setting, or to run ops that read the
-    global engine (clamp, add, pooling) as the backend's users do."""
+# torch's prepack ops read the process-wide quantized engine, so packing for an engine
+# means setting that global, packing, and restoring it. Two threads doing that at once
+# interleave: one packs for the other's engine, and the last to restore leaves the
+# user's setting changed. One lock for every set-pack-restore in qcore. Re-entrant: a
+# kernel packed inside ``using_engine`` (the conformance suite, tests) packs in the
+# same thread. No kernel reads the global while a model runs, so the moment the global
+# holds a kernel's engine changes no output of any other qcore model.
+_ENGINE_LOCK = threading.RLock()
+
+
+def _check_engine(engine: str) -> None:
     if engine not in torch.backends.quantized.supported_engines:
         raise RuntimeError(
             f"quantized engine {engine!r} is not available in this torch build; "
             f"available: {torch.backends.quantized.supported_engines}"
         )
-    previous = torch.backends.quantized.engine
-    torch.backends.quantized.engine = engine
-    try:
+
+
+@contextlib.contextmanager
+def packing_for(engine: str) -> Iterator[None]:
+    """torch's global quantized engine set to ``engine`` for a prepack call, under the
+    module's lock, and restored after (also when packing raises)."""
+    _check_engine(engine)
+    with _ENGINE_LOCK:
+        previous = torch.backends.quantized.engine
+        if previous == engine:
+            yield
+            return
+        torch.backends.quantized.engine = engine
+        try:
+            yield
+        finally:
+            torch.backends.quantized.engine = previous
+
+
+@contextlib.contextmanager
+def using_engine(engine: str) -> Iterator[None]:
+    """torch's global quantized engine set to ``engine`` for the block, under the lock
+    :func:`packing_for` takes, then restored.
+
+    Not for kernels (they carry their engine): for code that runs torch's own quantized
+    models (torch.ao's) or torch.jit-loaded ones, which pack or compute for the global
+    engine, as their users do. The global is process-wide: other threads see it too.
+    """
+    with packing_for(engine):
         yield
-    finally:
-        torch.backends.quantized.engine = previous
 
 
 def to_torch_qtensor(integer: torch.Tensor, qparams) -> torch.Tensor:

@@ -1,22 +1,43 @@
-"""Pooling and shape ops: they run on torch's int8 tensors as they are.
+"""Pooling and shape ops.
 
 Ops that select or move values (max pooling, flatten, reshape, transpose, ...)
-are exact on int8, so any output qparams the reference asks for are reached by
-an exact requantization. Ops that average (avg pooling, adaptive avg pooling,
-mean, interpolate) round once in the input's qparams: they are taken only where
-the reference's output shares the input's qparams, as the backends' configs
-declare for them.
+run on torch's int8 tensors as they are: exact on int8, so any output qparams
+the reference asks for are reached by an exact requantization.
+
+Ops that average: torch's int8 avg pooling (1d, 2d), adaptive avg pooling (1d, 2d)
+and mean pick their implementation by the global quantized engine, and under
+qnnpack they round some values one step apart from the other engines' kernels.
+:class:`QuantizedAverage` computes those as the reference does instead (the float
+op on the dequantized input, quantized once to the output's qparams), so a
+model's output does not depend on that global. The others (3d pooling,
+interpolate) have one int8 implementation: they run on int8 and round once in
+the input's qparams, so they are taken only where the reference's output shares
+the input's qparams, as the backends' configs declare for them.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from qcore.kernels.common import same_as_input, same_averaging
-from qcore.plugin.kernels import KernelMatch, SameOp
+from qcore.kernels.common import (
+    OutputKernel,
+    one_quantized_input,
+    require,
+    same_as_input,
+    same_averaging,
+)
+from qcore.plugin.kernels import ActivationQParams, KernelMatch, SameOp
 
-__all__ = ["AVERAGING_PATTERNS", "SELECTING_PATTERNS", "lower_averaging", "lower_selecting"]
+__all__ = [
+    "AVERAGING_PATTERNS",
+    "SELECTING_PATTERNS",
+    "QuantizedAverage",
+    "lower_averaging",
+    "lower_selecting",
+]
 
 aten = torch.ops.aten
 
@@ -96,5 +117,145 @@ def lower_selecting(match: KernelMatch) -> SameOp:
     return same_as_input(match)
 
 
-def lower_averaging(match: KernelMatch) -> SameOp:
-    return same_averaging(match)
+# The averaging ops whose int8 kernel torch picks by the global quantized engine:
+# (kind, the call's arguments after the input, in order).
+_AVG_POOL = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad")
+_ENGINE_DEPENDENT = {
+    torch.nn.AvgPool1d: ("avg_pool1d", ()),
+    torch.nn.AvgPool2d: ("avg_pool2d", ()),
+    torch.nn.AdaptiveAvgPool1d: ("adaptive_avg_pool1d", ()),
+    torch.nn.AdaptiveAvgPool2d: ("adaptive_avg_pool2d", ()),
+    F.avg_pool1d: ("avg_pool1d", _AVG_POOL),
+    F.avg_pool2d: ("avg_pool2d", (*_AVG_POOL, "divisor_override")),
+    aten.avg_pool2d.default: ("avg_pool2d", (*_AVG_POOL, "divisor_override")),
+    F.adaptive_avg_pool1d: ("adaptive_avg_pool1d", ("output_size",)),
+    F.adaptive_avg_pool2d: ("adaptive_avg_pool2d", ("output_size",)),
+    aten.adaptive_avg_pool2d.default: ("adaptive_avg_pool2d", ("output_size",)),
+    torch.mean: ("mean", ("dim", "keepdim")),
+    "mean": ("mean", ("dim", "keepdim")),
+    aten.mean.dim: ("mean", ("dim", "keepdim")),
+}
+
+
+def _pair(value: Any, dims: int) -> list[int]:
+    values = list(value) if isinstance(value, (tuple, list)) else [value] * dims
+    require(all(isinstance(v, int) for v in values), f"sizes {value!r} are not constants")
+    return [int(v) for v in values]
+
+
+class QuantizedAverage(OutputKernel):
+    """avg pooling (1d, 2d), adaptive avg pooling (1d, 2d) and mean as the reference
+    computes them: the float op on the dequantized input, quantized once to the
+    output's qparams.
+
+    Not torch's int8 ops: under the qnnpack engine torch 2.13 runs qnnpack's
+    kernels for them, which round some values one step apart from the other
+    engines' (and its avg_pool1d scrambles some strided inputs), so a model's output
+    would depend on ``torch.backends.quantized.engine``. The float pass costs more
+    than the int8 op on large inputs; these ops are rarely a model's large part
+    (docs/architecture.md). The op's arguments are the kernel's own, read when it
+    was lowered; the call's are accepted and not read.
+    """
+
+    def __init__(self, kind: str, output: ActivationQParams, arguments: dict[str, Any]) -> None:
+        super().__init__(output)
+        self.kind = kind
+        self.dtype = output.dtype
+        dims = 2 if kind.endswith("2d") else 1
+        self.kernel_size = _pair(arguments.get("kernel_size", 1), dims)
+        stride = arguments.get("stride")
+        self.stride = self.kernel_size if stride in (None, [], ()) else _pair(stride, dims)
+        self.padding = _pair(arguments.get("padding", 0), dims)
+        self.ceil_mode = bool(arguments.get("ceil_mode", False))
+        self.count_include_pad = bool(arguments.get("count_include_pad", True))
+        divisor = arguments.get("divisor_override")
+        require(divisor is None or isinstance(divisor, int), "divisor_override is not a constant")
+        self.divisor_override = divisor
+        output_size = arguments.get("output_size", 1)
+        require(
+            not isinstance(output_size, (tuple, list)) or None not in output_size,
+            "an adaptive output size of None (the input's size)",
+        )
+        self.output_size = _pair(output_size, dims)
+        dim = arguments.get("dim")
+        self.all_dims = dim is None
+        # never empty: TorchScript types an attribute by its value
+        self.dim = [-1] if dim is None else _pair(dim, 1)
+        self.keepdim = bool(arguments.get("keepdim", False))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        arg1: Any = None,
+        arg2: Any = None,
+        arg3: Any = None,
+        arg4: Any = None,
+        arg5: Any = None,
+        arg6: Any = None,
+        kernel_size: Any = None,
+        stride: Any = None,
+        padding: Any = None,
+        ceil_mode: Any = None,
+        count_include_pad: Any = None,
+        divisor_override: Any = None,
+        output_size: Any = None,
+        dim: Any = None,
+        keepdim: Any = None,
+        dtype: Any = None,
+    ) -> torch.Tensor:
+        y = x.dequantize()
+        if self.kind == "avg_pool2d":
+            y = F.avg_pool2d(
+                y, self.kernel_size, self.stride, self.padding, self.ceil_mode,
+                self.count_include_pad, self.divisor_override,
+            )  # fmt: skip
+        elif self.kind == "avg_pool1d":
+            y = F.avg_pool1d(
+                y, self.kernel_size, self.stride, self.padding, self.ceil_mode,
+                self.count_include_pad,
+            )  # fmt: skip
+        elif self.kind == "adaptive_avg_pool2d":
+            y = F.adaptive_avg_pool2d(y, self.output_size)
+        elif self.kind == "adaptive_avg_pool1d":
+            y = F.adaptive_avg_pool1d(y, self.output_size)
+        elif self.all_dims:
+            y = torch.mean(y)
+        else:
+            y = torch.mean(y, self.dim, self.keepdim)
+        return torch.quantize_per_tensor(y, self.scale, self.zero_point, self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, {super().extra_repr()}"
+
+
+def _averaging_arguments(match: KernelMatch, names: tuple[str, ...]) -> dict[str, Any]:
+    """The op's arguments by name: a module's attributes, else the call's constants."""
+    module = match.module
+    if module is not None:
+        return {
+            name: getattr(module, name)
+            for name in (*_AVG_POOL, "divisor_override", "output_size")
+            if hasattr(module, name)
+        }
+    node = match.root
+    require(len(node.args) <= len(names) + 1, f"unexpected arguments {node.args[1:]}")
+    arguments = dict(zip(names, node.args[1:], strict=False))
+    for name, value in node.kwargs.items():
+        require(name in names or (name == "dtype" and value is None), f"argument {name!r}")
+        arguments[name] = value
+    for name, value in arguments.items():
+        require(not hasattr(value, "op"), f"argument {name!r} is computed in the graph")
+    return arguments
+
+
+def lower_averaging(match: KernelMatch) -> SameOp | QuantizedAverage:
+    """:class:`QuantizedAverage` for the ops whose int8 kernel depends on the global
+    engine (any output qparams: it rounds once, to them); torch's int8 op for the
+    others, where the output keeps the input's qparams."""
+    root = match.root
+    key = type(match.module) if match.module is not None else root.target
+    if key not in _ENGINE_DEPENDENT:
+        return same_averaging(match)
+    one_quantized_input(match)
+    kind, names = _ENGINE_DEPENDENT[key]
+    return QuantizedAverage(kind, match.output, _averaging_arguments(match, names))

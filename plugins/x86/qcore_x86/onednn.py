@@ -15,7 +15,9 @@ its tensors.
 
 The ``onednn`` backend (FX, torch.ao's onednn config) fuses ``conv -> add [-> relu]``
 at prepare into ``ConvAdd2d``/``ConvAddReLU2d``; :class:`OnednnPackedConvAdd` runs
-those as torch.ao's onednn backend does (``quantized::conv2d_add[_relu]``).
+those as one oneDNN conv with a sum (``qconv2d_pointwise.binary``). torch.ao's onednn
+backend calls ``quantized::conv2d_add[_relu]`` instead, which refuses to run unless
+the global quantized engine is onednn; these ops read no global.
 
 Why 7 bits: without VNNI, oneDNN (like fbgemm, and torch's ``quantized`` ops on
 either) sums pairs of u8*s8 products in 16 bits, which saturate once activations
@@ -34,7 +36,7 @@ from torch import nn
 
 from qcore.engine.reference import ReferenceModule, weighted_child
 from qcore.kernels.packed import PackedWeights
-from qcore.kernels.runtime import int8_products_saturate, using_engine
+from qcore.kernels.runtime import int8_products_saturate
 from qcore.kernels.weighted import QuantizedConv
 from qcore.plugin.kernels import ActivationQParams, Kernel, KernelMatch
 from qcore.pt2e.fused import WeightedWithPostOps
@@ -105,6 +107,7 @@ class _OnednnWeighted(PackedWeights):
     """What the conv and linear kernels share: qparams at both ends, the post-ops."""
 
     honors_quant_range = True
+    packs_for_global_engine = False  # torch.ops.onednn's prepack takes no engine
 
     def __init__(self, match: KernelMatch, linear: bool) -> None:
         super().__init__(ENGINE)
@@ -252,51 +255,84 @@ class OnednnLinear(_OnednnWeighted):
 
 
 class OnednnPackedConvAdd(QuantizedConv):
-    """torch.ao's onednn ``ConvAdd2d``/``ConvAddReLU2d``: ``quantized::conv2d_add[_relu]``
-    on weights packed for the onednn engine, both inputs and the output int8."""
+    """torch.ao's onednn ``ConvAdd2d``/``ConvAddReLU2d``, both inputs and the output
+    int8: oneDNN's conv with a sum into the residual and an optional relu,
+    ``qconv2d_pointwise.binary``, on weights packed by ``torch.ops.onednn.qconv_prepack``.
+
+    torch.ao runs these with ``quantized::conv2d_add[_relu]``, which checks torch's
+    global quantized engine (not its packed weights' engine) and fails unless it is
+    onednn: a kernel would have to set that process-wide global at every call, which
+    changes other threads' ops. The pointwise call reads no global and gives the same
+    values (tests/test_engine_independence.py).
+    """
+
+    packs_for_global_engine = False  # torch.ops.onednn's prepack takes no engine
 
     def __init__(self, match: KernelMatch, relu: bool) -> None:
         if len(match.inputs) != 2 or match.output is None or match.output.quant_range:
             raise ValueError("needs two int8 inputs and a full-range int8 output")
-        super().__init__(match.module, match.output, relu, "onednn")
-        self.residual_used_elsewhere = _residual_used_elsewhere(match.root)
-        # What the scripted form (oneDNN's pointwise conv with a sum) needs.
+        reference = match.module
+        if not reference.weight_qparams or any(
+            q.zero_point.ne(0).any() for q in reference.weight_qparams.values()
+        ):
+            raise ValueError("oneDNN takes symmetric weights (zero point 0)")
+        # What packing needs (the input's qparams, which do not change the packed
+        # weight), and the post-ops; the scripted form reads them too.
         self._x = (match.inputs[0].scale, match.inputs[0].zero_point)
         self.residual_add, self.unary = True, "relu" if relu else "none"
         self.unary_scalars, self.unary_algorithm = [], ""
+        super().__init__(reference, match.output, relu, "onednn")
+        self.residual_used_elsewhere = _residual_used_elsewhere(match.root)
+
+    def repack(self) -> None:
+        channels = self.weight_int.shape[0]
+        self._w_scale = self.weight_scale.float().expand(channels).contiguous()
+        self._w_zero_point = torch.zeros(channels, dtype=torch.int32)
+        super().repack()
+
+    def pack(self):
+        return torch.ops.onednn.qconv_prepack(
+            self.weight_int, self._w_scale, *self._x,
+            self.stride, self.padding, self.dilation, self.groups, None,
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        if self.residual_used_elsewhere:
-            other = other.clone()  # the op sums into its residual input in place
-        # The op checks the global quantized engine, not the packed weights' (torch 2.13).
-        with using_engine("onednn"):
-            if self.relu:
-                return torch.ops.quantized.conv2d_add_relu(
-                    x, other, self._packed, self.scale, self.zero_point
-                )
-            return torch.ops.quantized.conv2d_add(
-                x, other, self._packed, self.scale, self.zero_point
-            )
+        # oneDNN sums into its accumulator in place, as conv2d_add into its residual: the
+        # residual's own memory, copied first where something else reads it too (also
+        # the conv itself: conv(x) + x).
+        accumulator = _as_uint8(other)
+        shared = other.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        in_place = not (self.residual_used_elsewhere or shared)
+        if not (in_place and accumulator.is_contiguous(memory_format=torch.channels_last)):
+            # oneDNN takes a channels-last accumulator (what every int8 conv returns)
+            accumulator = accumulator.clone(memory_format=torch.channels_last)
+        # The input's own qparams (a loaded state_dict may bring other ones than those
+        # it was lowered with; packing does not depend on them).
+        y = torch.ops.onednn.qconv2d_pointwise.binary(
+            _as_uint8(x), x.q_scale(), x.q_zero_point(), self._packed, self._w_scale,
+            self._w_zero_point, accumulator, self.bias, self.stride, self.padding,
+            self.dilation, self.groups, self.scale, self.zero_point, None, other.q_scale(),
+            other.q_zero_point(), "sum", 1.0, self.unary, self.unary_scalars, self.unary_algorithm,
+        )  # fmt: skip
+        return torch._make_per_tensor_quantized_tensor(y, self.scale, self.zero_point)
 
     def extra_repr(self) -> str:
         return "residual add, " + super().extra_repr()
 
     def __prepare_scriptable__(self) -> torch.nn.Module:
-        """TorchScript cannot set the global engine ``quantized::conv2d_add`` reads: the
-        scripted form is oneDNN's pointwise conv with a sum on weights packed for it
-        (the same result; it reads no global engine)."""
+        """The same oneDNN call on the same packed weight (``qcore_x86.onednn_scripted``)."""
         from qcore_x86.onednn_scripted import ScriptedOnednnConv
 
-        if not self.weight_zero_point.eq(0).all():
-            raise ValueError("oneDNN's scripted conv-add takes symmetric weights (zero point 0)")
-        return ScriptedOnednnConv(self)
+        return ScriptedOnednnConv(self, self._packed)
 
 
 def _residual_used_elsewhere(root: Any) -> bool:
-    """Whether the residual the fused conv-add reads is read by anything else too.
+    """Whether anything that runs after the fused conv-add reads its residual too.
 
     In the reference graph the residual is ``dequantize(quantize(y))``; ``y`` reused
-    (``z = conv(x) + y; z + y``) gives the quantize more than one reader.
+    (``z = conv(x) + y; z + y``) gives the quantize more than one reader. Readers that
+    run before the conv-add (a residual block's first conv reads the block's input)
+    are done with it when the conv-add sums into it.
     """
     residual = root.args[1]
     readers = set(residual.users)
@@ -304,7 +340,13 @@ def _residual_used_elsewhere(root: Any) -> bool:
     if hasattr(source, "users"):
         readers |= {reader for dequantize in source.users for reader in dequantize.users}
         readers |= set(source.users) - {residual}
-    return bool(readers - {root})
+    readers.discard(root)
+    later = False
+    for node in root.graph.nodes:  # execution order
+        if node in readers and later:
+            return True
+        later = later or node is root
+    return False
 
 
 def _conv_add(match: KernelMatch) -> OnednnPackedConvAdd:
@@ -312,8 +354,8 @@ def _conv_add(match: KernelMatch) -> OnednnPackedConvAdd:
 
 
 def onednn_engine_conv_add_kernels() -> list[Kernel]:
-    """``ConvAdd2d``/``ConvAddReLU2d`` on the onednn engine's own fused op, as torch.ao's
-    onednn backend runs them (it converts no tensor: faster than the pointwise call)."""
+    """``ConvAdd2d``/``ConvAddReLU2d`` as one oneDNN conv with a sum, both inputs and
+    the output int8 (:class:`OnednnPackedConvAdd`)."""
     return [
         Kernel("onednn.conv2d_add", pattern, "onednn", _conv_add)
         for pattern in (nni.ConvAdd2d, nni.ConvAddReLU2d)

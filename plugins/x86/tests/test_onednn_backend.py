@@ -2,8 +2,9 @@
 
 torch.ao's onednn config fuses ``conv2d [-> bn] -> add(other) [-> relu]`` and
 ``linear -> leaky_relu/tanh`` at prepare; the fused modules must run as one
-oneDNN kernel (``quantized::conv2d_add[_relu]`` on onednn-packed weights, as
-torch.ao's onednn backend; oneDNN's pointwise ops for the linears), agree with
+oneDNN kernel (a conv with a sum, ``onednn::qconv2d_pointwise.binary``, where
+torch.ao's onednn backend calls ``quantized::conv2d_add[_relu]``, which needs the
+global engine set to onednn; oneDNN's pointwise ops for the linears), agree with
 the reference form within one output step, save and load, and warn about nothing.
 """
 

@@ -1,0 +1,319 @@
+"""A converted model's outputs depend on nothing global (issue 14, section 1).
+
+torch's int8 ops pick their implementation by the process-wide
+``torch.backends.quantized.engine``; some of those implementations disagree (qnnpack's
+clamp scrambles channels-last input, its avg pooling, mean and hardswish round some
+values a step apart, ``quantized::conv2d_add`` refuses to run unless the engine is
+onednn). qcore's kernels carry their engine, so:
+
+* every backend's model (the bundled examples, FX and PT2E, and the same after a
+  torch.save/torch.load round trip) gives the same outputs under each global engine;
+* 8 threads converting and running models of different backends at once give
+  outputs bit-identical to single-threaded runs;
+* converting (packing weights for a kernel's engine is the one place qcore sets the
+  global, under a lock) leaves the user's engine setting as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.nn.functional as F
+from backends import FIRST_PARTY, backend_params, installed
+from kernel_cases import CASES, build
+
+import qcore
+from qcore.examples import ZOO, export_batch_free
+from qcore.kernels.runtime import packing_for, quiet_quantized_tensors
+
+BACKENDS = backend_params((*FIRST_PARTY, "onednn"))
+ENGINES = tuple(e for e in torch.backends.quantized.supported_engines if e != "none")
+
+
+@contextmanager
+def global_engine(engine: str) -> Iterator[None]:
+    """The user's own setting of the global engine, as a user writes it (no lock)."""
+    previous = torch.backends.quantized.engine
+    torch.backends.quantized.engine = engine
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = previous
+
+
+def _outputs(model: torch.nn.Module, inputs: tuple) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return torch.utils._pytree.tree_leaves(model(*inputs))
+
+
+def _differing(expected: list[torch.Tensor], actual: list[torch.Tensor]) -> float:
+    """The largest difference between two runs' outputs (0.0: bit-identical)."""
+    assert len(expected) == len(actual)
+    worst = 0.0
+    for e, a in zip(expected, actual, strict=True):
+        if not torch.equal(e, a):
+            worst = max(worst, (e.float() - a.float()).abs().max().item(), 1e-30)
+    return worst
+
+
+def _convert(name: str, backend: str, path: str) -> torch.nn.Module:
+    entry = ZOO[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # export's notices, reduce_range
+        if path == "fx":
+            return qcore.quantize(
+                entry.make_model(), entry.example_inputs(), entry.calibration_data(2), backend
+            )
+        # exported at a calibration batch (two or more) so the batch stays free
+        exported = export_batch_free(entry.make_model().eval(), entry.calibration_data(1)[0])
+        prepared = qcore.prepare_pt2e(exported, backend)
+        for batch in entry.calibration_data(2):
+            prepared(*batch)
+        return qcore.convert_pt2e(prepared)
+
+
+def _load(buffer: io.BytesIO) -> torch.nn.Module:
+    buffer.seek(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's notice on exported modules' pytree specs
+        return torch.load(buffer, weights_only=False)
+
+
+ZOO_CASES = [
+    pytest.param(name, path, id=f"{name}-{path}")
+    for name in sorted(ZOO)
+    for path in ("fx", "pt2e")
+    if not (path == "pt2e" and ZOO[name].dynamic)
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name, path", ZOO_CASES)
+def test_zoo_model_outputs_are_the_same_under_every_global_engine(name, path, backend):
+    user_engine = torch.backends.quantized.engine
+    converted = _convert(name, backend, path)
+    assert torch.backends.quantized.engine == user_engine, "converting changed the engine"
+    inputs = ZOO[name].calibration_data(1, seed=5)[0]
+    expected = _outputs(converted, inputs)
+    buffer = io.BytesIO()
+    torch.save(converted, buffer)
+    differing = {}
+    for engine in ENGINES:
+        with global_engine(engine):
+            differing[f"run under {engine}"] = _differing(expected, _outputs(converted, inputs))
+            loaded = _load(buffer)  # packs its weights again, for its kernels' engines
+        # and run under another engine than the one it was loaded under
+        other = ENGINES[(ENGINES.index(engine) + 1) % len(ENGINES)]
+        with global_engine(other):
+            differing[f"loaded under {engine}, run under {other}"] = _differing(
+                expected, _outputs(loaded, inputs)
+            )
+    assert torch.backends.quantized.engine == user_engine
+    assert {k: v for k, v in differing.items() if v} == {}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_kernel_gives_the_same_output_under_every_global_engine(name, backend):
+    built = build(CASES[name], backend)
+    expected = _outputs(built.converted, built.inputs)
+    differing = {}
+    for engine in ENGINES:
+        with global_engine(engine):
+            differing[engine] = _differing(expected, _outputs(built.converted, built.inputs))
+    assert {k: v for k, v in differing.items() if v} == {}
+
+
+def _channels_last_quint8(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    quiet_quantized_tensors()
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=generator) * 2 + 0.3
+    return torch.quantize_per_tensor(x, 0.043, 131, torch.quint8).contiguous(
+        memory_format=torch.channels_last
+    )
+
+
+def _under_each_engine(op) -> dict[str, torch.Tensor]:
+    results = {}
+    for engine in ("fbgemm", "qnnpack"):
+        with global_engine(engine):
+            results[engine] = op().int_repr()
+    return results
+
+
+def _steps_apart(results: dict[str, torch.Tensor]) -> int:
+    fbgemm, qnnpack = results["fbgemm"].int(), results["qnnpack"].int()
+    return int((fbgemm - qnnpack).abs().max())
+
+
+@pytest.mark.skipif("qnnpack" not in ENGINES, reason="torch built without qnnpack")
+def test_the_kernels_replacing_engine_dependent_torch_ops_agree_where_torch_does_not():
+    """The inputs on which torch 2.13's own int8 ops give different values under the
+    qnnpack engine than under the others, and qcore's kernels for those ops on them:
+    the same values under both, equal to the reference's (the float op on the
+    dequantized input, quantized once)."""
+    from qcore.kernels.activations import QuantizedClamp, QuantizedHardswish
+    from qcore.kernels.shape import QuantizedAverage
+    from qcore.plugin.kernels import ActivationQParams
+
+    # 12 channels, these qparams: inputs on which torch's engines disagree (not all do)
+    x = _channels_last_quint8((2, 12, 8, 8), seed=0)
+    same = ActivationQParams(x.q_scale(), x.q_zero_point(), torch.quint8)
+    hardswish_out = ActivationQParams(0.03, 100, torch.quint8)
+
+    def reference(op, qparams: ActivationQParams) -> torch.Tensor:
+        y = op(x.dequantize())
+        return torch.quantize_per_tensor(y, qparams.scale, qparams.zero_point, torch.quint8)
+
+    cases = {
+        # name: (torch's int8 op, qcore's kernel, the float op, output qparams)
+        "relu6": (
+            lambda: F.relu6(x),
+            lambda: QuantizedClamp(0.0, 6.0, None)(x),
+            F.relu6,
+            same,
+        ),
+        "hardswish": (
+            lambda: torch.ops.quantized.hardswish(x, 0.03, 100),
+            lambda: QuantizedHardswish(hardswish_out)(x),
+            F.hardswish,
+            hardswish_out,
+        ),
+        "avg_pool2d": (
+            lambda: F.avg_pool2d(x, 2),
+            lambda: QuantizedAverage("avg_pool2d", same, {"kernel_size": 2})(x),
+            lambda t: F.avg_pool2d(t, 2),
+            same,
+        ),
+        "adaptive_avg_pool2d": (
+            lambda: F.adaptive_avg_pool2d(x, 2),
+            lambda: QuantizedAverage("adaptive_avg_pool2d", same, {"output_size": 2})(x),
+            lambda t: F.adaptive_avg_pool2d(t, 2),
+            same,
+        ),
+        "mean": (
+            lambda: x.mean((2, 3), keepdim=True),
+            lambda: QuantizedAverage("mean", same, {"dim": (2, 3), "keepdim": True})(x),
+            lambda t: t.mean((2, 3), keepdim=True),
+            same,
+        ),
+    }
+    torch_apart, qcore_apart, off_reference = {}, {}, {}
+    for name, (torch_op, kernel, float_op, qparams) in cases.items():
+        torch_apart[name] = _steps_apart(_under_each_engine(torch_op))
+        ours = _under_each_engine(kernel)
+        qcore_apart[name] = _steps_apart(ours)
+        expected = reference(float_op, qparams).int_repr().int()
+        off_reference[name] = int((ours["fbgemm"].int() - expected).abs().max())
+    # torch's op: steps apart between the engines (relu6 scrambles channels-last)
+    assert torch_apart == {
+        "relu6": torch_apart["relu6"],
+        "hardswish": 1,
+        "avg_pool2d": 1,
+        "adaptive_avg_pool2d": 1,
+        "mean": 1,
+    }
+    assert torch_apart["relu6"] > 50
+    assert qcore_apart == dict.fromkeys(cases, 0)
+    assert off_reference == dict.fromkeys(cases, 0)
+
+
+# ---------------------------------------------------------------- threads
+
+THREAD_MODELS = ("mobilenetv2_like", "resnet18_like")  # clamp, hardswish, pools, conv + add
+
+
+def _prepared(name: str, backend: str) -> torch.nn.Module:
+    entry = ZOO[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = qcore.prepare_fx(entry.make_model(), None, entry.example_inputs(), backend)
+        with torch.no_grad():
+            for batch in entry.calibration_data(2):
+                prepared(*batch)
+    return prepared
+
+
+def test_threads_converting_and_running_models_of_different_backends_agree_bit_for_bit():
+    """8 threads, each converting its own copy of a prepared model (its backend and
+    model differ from its neighbours') and running it and an already converted model
+    many times, while the others do the same. Tracing (prepare) patches torch.nn.Module
+    process-wide in torch.fx, so the models are prepared before the threads start.
+    The user's engine setting is an unusual one and is left as it was."""
+    backends = [b for b in (*FIRST_PARTY, "onednn") if installed(b)]
+    if len(backends) < 2:
+        pytest.skip("needs two installed backends")
+    pairs = [(backends[i % len(backends)], THREAD_MODELS[i % 2]) for i in range(8)]
+    prepared = {pair: _prepared(pair[1], pair[0]) for pair in set(pairs)}
+    inputs = {name: ZOO[name].calibration_data(1, seed=5)[0] for name in THREAD_MODELS}
+    single = {}  # single-threaded: the model converted alone, and its outputs
+    for pair, model in prepared.items():
+        converted = qcore.convert_fx(copy.deepcopy(model))
+        single[pair] = converted, _outputs(converted, inputs[pair[1]])
+    rounds, runs_each = 2, 8
+    copies = [[copy.deepcopy(prepared[pair]) for _ in range(rounds)] for pair in pairs]
+
+    counts = {"inferences": 0, "wrong": 0}
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    start = threading.Barrier(len(pairs))
+
+    def worker(index: int) -> None:
+        pair = pairs[index]
+        shared, expected = single[pair]
+        try:
+            start.wait()
+            for round_ in range(rounds):
+                fresh = qcore.convert_fx(copies[index][round_])
+                for model in (fresh, shared):
+                    for _ in range(runs_each):
+                        wrong = _differing(expected, _outputs(model, inputs[pair[1]])) != 0
+                        with lock:
+                            counts["inferences"] += 1
+                            counts["wrong"] += wrong
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    with global_engine("qnnpack" if "qnnpack" in ENGINES else ENGINES[0]):
+        user_engine = torch.backends.quantized.engine
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(pairs))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert torch.backends.quantized.engine == user_engine
+    assert errors == []
+    assert counts == {"inferences": len(pairs) * rounds * 2 * runs_each, "wrong": 0}
+
+
+def test_packing_holds_the_engine_for_its_whole_prepack_and_restores_it():
+    """Threads packing for different engines at once each see their own engine for
+    the whole block, and the user's setting comes back, also after a failure."""
+    engines = [e for e in ("fbgemm", "qnnpack", "x86", "onednn") if e in ENGINES]
+    user_engine = torch.backends.quantized.engine
+    seen_other: list[tuple[str, str]] = []
+
+    def worker(engine: str) -> None:
+        for _ in range(200):
+            with packing_for(engine):
+                current = torch.backends.quantized.engine
+                if current != engine:
+                    seen_other.append((engine, current))
+
+    threads = [threading.Thread(target=worker, args=(e,)) for e in engines * 2]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert seen_other == []
+    assert torch.backends.quantized.engine == user_engine
+    with pytest.raises(ZeroDivisionError), packing_for(engines[-1]):
+        1 / 0  # noqa: B018
+    assert torch.backends.quantized.engine == user_engine
