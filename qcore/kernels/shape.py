@@ -258,4 +258,8 @@ def lower_averaging(match: KernelMatch) -> SameOp | QuantizedAverage:
         return same_averaging(match)
     one_quantized_input(match)
     kind, names = _ENGINE_DEPENDENT[key]
-    return QuantizedAverage(kind, match.output, _averaging_arguments(match, names))
+    kernel = QuantizedAverage(kind, match.output, _averaging_arguments(match, names))
+    # An average of values within the input's range stays within it: with the
+    # output's qparams the input's (7-bit ranges included), nothing needs clamping.
+    kernel.honors_quant_range = all(q == match.output for q in match.inputs)
+    return kernel
