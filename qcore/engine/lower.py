@@ -19,6 +19,7 @@ explain says why.
 from __future__ import annotations
 
 import operator
+import warnings
 from collections import Counter
 from typing import Any
 
@@ -29,7 +30,11 @@ from torch.fx.node import map_arg
 from qcore import ops
 from qcore.engine.explain import Entry, Report, Status, attach_report, report_of
 from qcore.engine.reference import ReferenceModule
-from qcore.kernels.runtime import TORCH_QUANTIZED_DTYPE, quiet_quantized_tensors
+from qcore.kernels.runtime import (
+    TORCH_QUANTIZED_DTYPE,
+    quiet_quantized_tensors,
+    saturates_uint8_products,
+)
 from qcore.plugin.kernels import ActivationQParams, DynamicInput, KernelMatch, SameOp
 
 __all__ = ["lower"]
@@ -47,6 +52,14 @@ _SKIPPED_FUNCTIONS = (
 
 
 _PREPARE_STATE_KEYS = ("qcore_state", "qcore_pt2e_state")
+
+# The qparams of torch's fixed-qparams ops' quint8 outputs (sigmoid, hardsigmoid,
+# softmax: [0, 1); tanh: [-1, 1)): always the whole 0..255.
+_FIXED_QPARAMS = ((1.0 / 256, 0), (2.0 / 256, 128))
+SEVEN_BIT_WEIGHTS = (
+    "weights requantized to 7 bits: its input uses all 8 bits and this CPU sums pairs "
+    "of int8 products in 16 bits (no VNNI), which 8-bit weights would overflow"
+)
 
 
 class _Refused(Exception):
@@ -160,6 +173,7 @@ class _Lowering:
         self.lowered: dict[str, str] = {}  # node name -> kernel name
         self.fused_into: dict[str, str] = {}  # erased chain node name -> its root's name
         self.unlowered: dict[str, str] = {}  # node name -> reason
+        self.notes: dict[str, str] = {}  # lowered node name -> what explain should say
 
     # ------------------------------------------------------------------ walking
 
@@ -275,11 +289,47 @@ class _Lowering:
         if returns_quantized and quantize is None:
             raise _Refused("the kernel returns int8 but the reference keeps the output float")
         _check_output_range(match.output, getattr(result, "honors_quant_range", False))
+        if saturates_uint8_products(result) and self._input_uses_8_bits(match, root):
+            result.use_seven_bit_weights()
+            self.notes[root.name] = SEVEN_BIT_WEIGHTS
         self._install(root, result)
         self._collapse(chain)
         self._wire_inputs(root)
         if returns_quantized:
             self._publish(root, quantize, match.output)
+
+    def _input_uses_8_bits(self, match: KernelMatch, root: Node) -> bool:
+        """Whether the values multiplying the weights (the first input) may use the 8th
+        bit of uint8: a narrowed range in the graph says no (a Quantizer's 0..127);
+        fixed qparams (sigmoid, softmax, tanh) use all of 0..255. A full range in the
+        graph is ambiguous: FX quantizes to the whole dtype, as torch.ao does, whatever
+        the observer's range, so there the QConfig's observer tells (7 bits with
+        ``reduce_range``, fbgemm's and x86's defaults). On PT2E (no FX state here) it
+        may be a Quantizer's 0..255 or a QConfig's ``reduce_range`` observer, which the
+        graph does not tell apart: left as it is."""
+        x = match.inputs[0] if match.inputs else None
+        if x is None or x.dtype != torch.quint8:
+            return False
+        if x.quant_range is not None:
+            return x.quant_range[1] - x.quant_range[0] > 127
+        if any(
+            abs(x.scale - scale) < 1e-12 and x.zero_point == zero_point
+            for scale, zero_point in _FIXED_QPARAMS
+        ):
+            return True
+        state = self.gm.meta.get("qcore_state")
+        accepted = {a.root_name: a for a in getattr(state, "accepted", ())}.get(root.name)
+        activation = getattr(getattr(accepted, "qconfig", None), "activation", None)
+        if activation is None:
+            return False
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch.ao's notice on reduce_range
+                observer = activation()
+        except Exception:  # noqa: BLE001 - an observer that needs arguments: cannot tell
+            return False
+        low, high = getattr(observer, "quant_min", None), getattr(observer, "quant_max", None)
+        return isinstance(low, int) and isinstance(high, int) and high - low > 127
 
     # ------------------------------------------------------------------ graph edits
 
@@ -469,7 +519,8 @@ def _update_report(gm: GraphModule, lowering: _Lowering) -> None:
 def _updated(entry: Entry, lowering: _Lowering, backend: str) -> Entry:
     name = entry.node
     if name in lowering.lowered:
-        return Entry(name, entry.op, Status.QUANTIZED, "", entry.pattern, lowering.lowered[name])
+        note = lowering.notes.get(name, "")
+        return Entry(name, entry.op, Status.QUANTIZED, note, entry.pattern, lowering.lowered[name])
     if name in lowering.unlowered:
         return entry.with_status(Status.REFERENCE, lowering.unlowered[name])
     if entry.status is Status.REFERENCE:

@@ -29,6 +29,7 @@ __all__ = [
     "TORCH_QUANTIZED_DTYPE",
     "int8_products_saturate",
     "packing_for",
+    "saturates_uint8_products",
     "using_engine",
     "quiet_quantized_tensors",
     "to_torch_qtensor",
@@ -45,8 +46,13 @@ TORCH_QUANTIZED_DTYPE = {
 
 _spent = False
 
-SATURATING_ENGINES = ("fbgemm", "x86")
-"""Engines whose int8 kernels multiply u8*s8 pairs with 16-bit sums on x86."""
+SATURATING_ENGINES = ("fbgemm", "x86", "onednn")
+"""Engines whose int8 kernels multiply u8*s8 pairs with 16-bit sums on x86 (fbgemm's,
+and oneDNN's, which torch's x86 engine also runs)."""
+
+SEVEN_BIT_WEIGHT_LIMIT = 64
+"""The largest |int8 weight| whose products with any uint8 activation, summed in pairs,
+stay within int16: 2 * 255 * 64 = 32640 <= 32767."""
 
 
 @functools.cache
@@ -61,6 +67,17 @@ def int8_products_saturate() -> bool:
     if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
         return False
     return not (torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def saturates_uint8_products(kernel: torch.nn.Module) -> bool:
+    """Whether a lowered kernel's uint8 * int8 products may saturate on this CPU: it says
+    it multiplies them (``sums_uint8_products``, torch's int8 conv and linear) on an
+    engine that sums pairs of them in 16 bits here."""
+    return (
+        getattr(kernel, "sums_uint8_products", False)
+        and getattr(kernel, "engine", None) in SATURATING_ENGINES
+        and int8_products_saturate()
+    )
 
 
 def quiet_quantized_tensors() -> None:

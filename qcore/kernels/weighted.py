@@ -54,6 +54,8 @@ def _reference(match: KernelMatch) -> ReferenceModule:
 class QuantizedLinear(PackedWeights):
     """int8 linear (optionally fused with relu) on ``engine``'s packed weights."""
 
+    sums_uint8_products = True
+
     def __init__(
         self, reference: ReferenceModule, output: ActivationQParams, relu: bool, engine: str
     ) -> None:
@@ -87,6 +89,8 @@ class QuantizedLinear(PackedWeights):
 
 class QuantizedConv(PackedWeights):
     """int8 conv1d/2d/3d (optionally fused with relu) on ``engine``'s packed weights."""
+
+    sums_uint8_products = True
 
     def __init__(
         self, reference: ReferenceModule, output: ActivationQParams, relu: bool, engine: str
@@ -159,6 +163,8 @@ def _conv_engine(reference: ReferenceModule, match: KernelMatch) -> str:
 
 class QuantizedConvTranspose(PackedWeights):
     """int8 conv_transpose1d/2d/3d on ``engine``'s packed weights."""
+
+    sums_uint8_products = True
 
     def __init__(self, reference: ReferenceModule, output: ActivationQParams, engine: str) -> None:
         super().__init__(engine)

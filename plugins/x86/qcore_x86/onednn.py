@@ -108,6 +108,7 @@ class _OnednnWeighted(PackedWeights):
 
     honors_quant_range = True
     packs_for_global_engine = False  # torch.ops.onednn's prepack takes no engine
+    sums_uint8_products = True
 
     def __init__(self, match: KernelMatch, linear: bool) -> None:
         super().__init__(ENGINE)
