@@ -317,3 +317,38 @@ def test_packing_holds_the_engine_for_its_whole_prepack_and_restores_it():
     with pytest.raises(ZeroDivisionError), packing_for(engines[-1]):
         1 / 0  # noqa: B018
     assert torch.backends.quantized.engine == user_engine
+
+
+class _FlattenThenMaxPool1d(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 1)
+        self.pool = torch.nn.MaxPool1d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(torch.flatten(self.conv(x), 2))
+
+
+@pytest.mark.parametrize("backend", backend_params(FIRST_PARTY))
+def test_max_pool1d_of_a_flattened_channels_last_batch_of_one(backend):
+    """``flatten(2)`` of a conv's channels-last output at batch 1 has strides (C, 1, C):
+    torch 2.13's int8 max_pool1d reads that wrong on every engine but qnnpack (3.8
+    off); the kernel makes it contiguous first, so every engine gives the reference's
+    values."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 4, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = qcore.prepare_fx(_FlattenThenMaxPool1d().eval(), None, (x,), backend)
+        prepared(x)
+        lowered = qcore.convert_fx(prepared)
+        reference = qcore.convert_to_reference_fx(prepared)
+    assert qcore.explain(lowered)["pool"].kernel == f"{backend}.pool_and_shape"
+    expected = _outputs(reference, (x,))
+    differing = {}
+    for engine in ENGINES:
+        with global_engine(engine):
+            differing[engine] = _differing(expected, _outputs(lowered, (x,)))
+    assert {k: v for k, v in differing.items() if v} == {}
+    scripted = torch.jit.script(lowered)
+    assert _differing(expected, _outputs(scripted, (x,))) == 0

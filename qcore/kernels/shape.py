@@ -110,11 +110,77 @@ AVERAGING_PATTERNS = (
 )
 
 
-def lower_selecting(match: KernelMatch) -> SameOp:
+_MAX_POOL1D = (torch.nn.MaxPool1d, F.max_pool1d, aten.max_pool1d.default)
+_MAX_POOL1D_ARGUMENTS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
+
+
+class QuantizedMaxPool1d(torch.nn.Module):
+    """max_pool1d on int8, its input first made contiguous where its layout is one
+    torch's int8 max_pool1d reads wrong.
+
+    A 3-d view whose batch stride is not channels * length (``flatten(2)`` of a
+    channels-last batch of one: strides ``(C, 1, C)``) comes out scrambled from torch
+    2.13's int8 max_pool1d on every engine but qnnpack, so the output depended on the
+    global engine. Contiguous inputs and conv1d's outputs (strides ``(L*C, 1, C)``)
+    are read right and are not copied. The op's arguments are the kernel's own, read
+    when it was lowered; the call's are accepted and not read.
+    """
+
+    returns_quantized = True
+    honors_quant_range = True  # max pooling selects values
+
+    def __init__(self, arguments: dict[str, Any]) -> None:
+        super().__init__()
+        self.kernel_size = _pair(arguments.get("kernel_size", 1), 1)
+        stride = arguments.get("stride")
+        self.stride = self.kernel_size if stride in (None, [], ()) else _pair(stride, 1)
+        self.padding = _pair(arguments.get("padding", 0), 1)
+        self.dilation = _pair(arguments.get("dilation", 1), 1)
+        self.ceil_mode = bool(arguments.get("ceil_mode", False))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        arg1: Any = None,
+        arg2: Any = None,
+        arg3: Any = None,
+        arg4: Any = None,
+        arg5: Any = None,
+        arg6: Any = None,
+        kernel_size: Any = None,
+        stride: Any = None,
+        padding: Any = None,
+        dilation: Any = None,
+        ceil_mode: Any = None,
+        return_indices: Any = None,
+    ) -> torch.Tensor:
+        if x.dim() == 3 and not x.is_contiguous():
+            channels, length = x.size(1), x.size(2)
+            if x.stride(0) != channels * length or x.stride(1) != 1 or x.stride(2) != channels:
+                x = x.contiguous()
+        return F.max_pool1d(
+            x, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode
+        )
+
+    def extra_repr(self) -> str:
+        return f"kernel_size={self.kernel_size}, stride={self.stride}"
+
+
+def lower_selecting(match: KernelMatch) -> SameOp | QuantizedMaxPool1d:
     module = match.module
     if isinstance(module, torch.nn.Dropout) and module.training:
         raise ValueError("dropout in training mode")
-    return same_as_input(match)
+    same = same_as_input(match)
+    key = type(module) if module is not None else match.root.target
+    if key not in _MAX_POOL1D or match.output != same.produces:
+        return same  # (an output requantized after it: the lowering inserts that)
+    names = (*_MAX_POOL1D_ARGUMENTS, "return_indices")
+    if module is not None:
+        arguments = {name: getattr(module, name) for name in names}
+    else:
+        arguments = _averaging_arguments(match, names)
+    require(not arguments.get("return_indices"), "max_pool1d returning indices")
+    return QuantizedMaxPool1d(arguments)
 
 
 # The averaging ops whose int8 kernel torch picks by the global quantized engine:
