@@ -18,7 +18,6 @@ unexplained.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -135,17 +134,6 @@ def _lower_with_only(prepared: Any, kernel: Any, name: str) -> Any:
     return lower(convert_to_reference(prepared), (kernel,), name)
 
 
-def _running_on(engine: str) -> contextlib.AbstractContextManager:
-    """Where the kernel's engine is one of torch's, the model runs with torch's global
-    quantized engine set to it, as the backend's users run it (ops such as clamp
-    and add take the global engine's implementation)."""
-    from qcore.kernels.runtime import using_engine
-
-    if engine in torch.backends.quantized.supported_engines:
-        return using_engine(engine)
-    return contextlib.nullcontext()
-
-
 def check_kernels_match_reference(name: str) -> str:
     """Every kernel, alone, takes a model of its own pattern, and its lowered output
     is within two quantization steps of the reference form's (one for the activation
@@ -181,7 +169,8 @@ def check_kernels_match_reference(name: str) -> str:
                 + "\n".join(tried)
             )
         reference = qcore.convert_to_reference_fx(prepared)
-        with torch.no_grad(), _running_on(kernel.engine):
+        # Under whatever global engine the process has: a kernel carries its engine.
+        with torch.no_grad():
             got, expected = lowered(*inputs), reference(*inputs)
         error = float((got - expected).abs().max())
         step = float(getattr(_kernel_module(lowered, kernel.name, report), "scale", 0.0) or 0.0)

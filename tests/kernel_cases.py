@@ -286,3 +286,20 @@ def output_scale(reference) -> float | None:
         if node.op == "call_function" and node.target is ops.quantize_per_tensor:
             scale = float(node.args[1])
     return scale
+
+
+STATEFUL = [
+    "linear_relu",
+    "conv2d_bn_relu",
+    "conv_transpose2d",
+    "add_relu",
+    "cat",
+    "batch_norm2d",
+    "group_norm",
+    "linear_dynamic",
+    "lstm_dynamic",
+    "gru_dynamic_fp16",
+    "embedding",
+    "embedding_bag",
+]
+"""Cases whose kernels hold state (packed weights, qparams): the save/load tests' set."""

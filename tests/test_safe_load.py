@@ -25,7 +25,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from backends import FIRST_PARTY, backend_params, installed
-from kernel_cases import CASES, build
+from kernel_cases import CASES, STATEFUL, build
 from torch import nn
 
 import qcore
@@ -33,20 +33,6 @@ from qcore.examples import EVAL_SEED, ZOO, export_batch_free
 from qcore.kernels.packed import PackedWeights
 
 ALL_BACKENDS = (*FIRST_PARTY, "onednn", "native")
-STATEFUL = [
-    "linear_relu",
-    "conv2d_bn_relu",
-    "conv_transpose2d",
-    "add_relu",
-    "cat",
-    "batch_norm2d",
-    "group_norm",
-    "linear_dynamic",
-    "lstm_dynamic",
-    "gru_dynamic_fp16",
-    "embedding",
-    "embedding_bag",
-]
 
 
 def _leaves(output) -> list[torch.Tensor]:

@@ -11,22 +11,9 @@ import io
 import pytest
 import torch
 from backends import backend_params, requires_fbgemm
-from kernel_cases import CASES, build
+from kernel_cases import CASES, STATEFUL, build
 
 # One case per kernel module with state (packed weights, norm buffers, qparams).
-STATEFUL = [
-    "linear_relu",
-    "conv2d_bn_relu",
-    "conv_transpose2d",
-    "add_relu",
-    "cat",
-    "batch_norm2d",
-    "group_norm",
-    "linear_dynamic",
-    "lstm_dynamic",
-    "gru_dynamic_fp16",
-    "embedding_bag",
-]
 
 
 def _run(model, inputs):

@@ -1,12 +1,13 @@
 """The PT2E front door: quantize torch.export graphs with a Quantizer or a backend name.
 
 >>> exported = torch.export.export(model.eval(), example_inputs).module()
->>> prepared = qcore.prepare_pt2e(exported, "x86")     # or a qcore/torchao Quantizer
+>>> prepared = qcore.prepare_pt2e(exported, "x86")
 >>> for batch in calibration_data:
 ...     prepared(*batch)
 >>> converted = qcore.convert_pt2e(prepared)
 >>> print(qcore.explain(converted))
 
+A Quantizer object, qcore's or torchao's, may stand in place of the backend name.
 A Quantizer of one's own explains an op it leaves in float by setting
 ``node.meta[REASON_KEY]`` to the reason; ``qcore.explain`` shows it.
 """

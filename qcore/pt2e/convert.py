@@ -2,7 +2,7 @@
 
 The reference form (``lower=False``, and always for a torchao Quantizer) is
 ``torch.ops.quantized_decomposed`` quantize -> dequantize with constants folded
-(:mod:`qcore.pt2e.qdq`), as torchao's convert_pt2e gives. For lowering, activation
+(:mod:`qcore.pt2e.qdq`), the form torchao's own convert gives. For lowering, activation
 observers become ``qcore.ops`` pairs (the engine's shared conversion, bit-exact
 with fbgemm) and constants are folded the same way; then each
 ``dequantize -> linear/conv [-> post-ops] [-> quantize]`` becomes a
@@ -268,7 +268,7 @@ def convert_pt2e(
 
     ``lower=False`` gives the reference form: ``torch.ops.quantized_decomposed``
     quantize/dequantize on plain integer tensors around the float ops, as
-    torchao's convert_pt2e produces (for torch.compile, torch.export, ExecuTorch).
+    torchao's own convert produces (for torch.compile, torch.export, ExecuTorch).
     ``lower=True`` lets the backend's kernels replace the patterns they support
     (the kernels :func:`qcore.convert_fx` uses). The default lowers for a backend
     name or a qcore Quantizer, and gives the reference form for a torchao
