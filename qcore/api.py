@@ -96,12 +96,14 @@ def resolve_backend(
     return config.name or "custom", config, kernels, None
 
 
-def _default_mapping(installed: Any, is_qat: bool) -> Any:
+def _default_mapping(installed: Any, is_qat: bool, name: str = "x86") -> Any:
+    """The installed backend's mapping; else torch.ao's for a first-party style called
+    ``name`` (qnnpack's 8-bit activations stay 8-bit without its plugin); else x86's."""
     mapping = installed.default_qconfig_mapping(is_qat=is_qat) if installed is not None else None
     if mapping is None:
-        from qcore.config.qconfig import default_qconfig_mapping
+        from qcore.config.qconfig import BACKEND_KINDS, default_qconfig_mapping
 
-        mapping = default_qconfig_mapping("x86", is_qat=is_qat)
+        mapping = default_qconfig_mapping(name if name in BACKEND_KINDS else "x86", is_qat=is_qat)
     return mapping
 
 
@@ -120,12 +122,12 @@ def get_default_qconfig_mapping(backend: str = "x86") -> Any:
 
         >>> mapping = qcore.get_default_qconfig_mapping("fbgemm")
     """
-    return _default_mapping(_installed_or_none(backend), is_qat=False)
+    return _default_mapping(_installed_or_none(backend), False, backend)
 
 
 def get_default_qat_qconfig_mapping(backend: str = "x86") -> Any:
     """The default QConfigMapping for quantization-aware training on ``backend``."""
-    return _default_mapping(_installed_or_none(backend), is_qat=True)
+    return _default_mapping(_installed_or_none(backend), True, backend)
 
 
 def _make_fixed(spec: Any) -> torch.nn.Module:

@@ -216,3 +216,21 @@ def test_fused_modules_with_different_qconfigs_are_explained():
     entry = qcore.explain(prepared)["conv"]
     assert entry.status.value == "float"
     assert "conv, relu" in entry.reason and "different QConfigs" in entry.reason
+
+
+# onednn's plugin (x86's) takes 7-bit activations on CPUs without VNNI, unlike torch.ao
+@pytest.mark.parametrize("kind", ["fbgemm", "x86", "qnnpack"])
+def test_each_backends_default_mapping_keeps_its_activation_range(kind):
+    """qcore.get_default_qconfig_mapping(kind) is the plugin's where installed, else
+    torch.ao's for that kind: never another backend's (qnnpack's 8-bit activations
+    once came back as x86's 7-bit ones where the qnnpack plugin was not installed)."""
+    import qcore
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for mapping, peer in (
+            (qcore.get_default_qconfig_mapping(kind), get_default_qconfig_mapping(kind)),
+            (qcore.get_default_qat_qconfig_mapping(kind), get_default_qat_qconfig_mapping(kind)),
+        ):
+            ours, theirs = mapping.global_qconfig.activation(), peer.global_qconfig.activation()
+            assert (ours.quant_min, ours.quant_max) == (theirs.quant_min, theirs.quant_max), kind

@@ -31,7 +31,9 @@ from qcore import ops
 from qcore.engine.explain import Entry, Report, Status, attach_report, report_of
 from qcore.engine.reference import ReferenceModule
 from qcore.kernels.runtime import (
+    EXACT_ENGINE,
     TORCH_QUANTIZED_DTYPE,
+    pair_sums_may_saturate,
     quiet_quantized_tensors,
     saturates_uint8_products,
 )
@@ -56,9 +58,14 @@ _PREPARE_STATE_KEYS = ("qcore_state", "qcore_pt2e_state")
 # The qparams of torch's fixed-qparams ops' quint8 outputs (sigmoid, hardsigmoid,
 # softmax: [0, 1); tanh: [-1, 1)): always the whole 0..255.
 _FIXED_QPARAMS = ((1.0 / 256, 0), (2.0 / 256, 128))
-SEVEN_BIT_WEIGHTS = (
-    "weights requantized to 7 bits: its input uses all 8 bits and this CPU sums pairs "
-    "of int8 products in 16 bits (no VNNI), which 8-bit weights would overflow"
+ON_EXACT_ENGINE = (
+    f"runs on {EXACT_ENGINE}'s kernel: its input uses all 8 bits, and this CPU sums "
+    "pairs of int8 products in 16 bits (no VNNI), which this layer's weights overflow"
+)
+SATURATING_SUMS = (
+    "left in reference form: its input uses all 8 bits, this CPU sums pairs of int8 "
+    f"products in 16 bits (no VNNI), which its weights overflow, and {EXACT_ENGINE} "
+    "cannot run this kernel"
 )
 
 
@@ -160,8 +167,11 @@ def _check_activation_dtypes(kernel: Any, match: KernelMatch) -> None:
 
 
 class _Lowering:
-    def __init__(self, gm: GraphModule, kernels: tuple, backend: str) -> None:
+    def __init__(
+        self, gm: GraphModule, kernels: tuple, backend: str, observed_ranges: bool = False
+    ) -> None:
         self.gm, self.graph, self.kernels, self.backend = gm, gm.graph, kernels, backend
+        self.observed_ranges = observed_ranges
         self.modules = dict(gm.named_modules(remove_duplicate=False))
         self._calls_per_module = Counter(n.target for n in gm.graph.nodes if n.op == "call_module")
         # float node (a dequantize qcore inserted) -> (quantized node, its qparams)
@@ -289,29 +299,45 @@ class _Lowering:
         if returns_quantized and quantize is None:
             raise _Refused("the kernel returns int8 but the reference keeps the output float")
         _check_output_range(match.output, getattr(result, "honors_quant_range", False))
-        if saturates_uint8_products(result) and self._input_uses_8_bits(match, root):
-            result.use_seven_bit_weights()
-            self.notes[root.name] = SEVEN_BIT_WEIGHTS
+        if self._sums_may_saturate(result, match, root):
+            if not result.can_move_to(EXACT_ENGINE):
+                raise _Refused(SATURATING_SUMS)
+            result.move_to(EXACT_ENGINE)
+            self.notes[root.name] = ON_EXACT_ENGINE
         self._install(root, result)
         self._collapse(chain)
         self._wire_inputs(root)
         if returns_quantized:
             self._publish(root, quantize, match.output)
 
+    def _sums_may_saturate(self, kernel: Any, match: KernelMatch, root: Node) -> bool:
+        """Whether ``kernel``'s 16-bit pair sums can overflow on this CPU: it sums
+        uint8 * int8 products on such an engine, its input uses the 8th bit, and its
+        weights are large enough (a wrong number is worse than a slower kernel)."""
+        if not (saturates_uint8_products(kernel) and self._input_uses_8_bits(match, root)):
+            return False
+        x = match.inputs[0]
+        input_max = x.quant_range[1] if x.quant_range is not None else 255
+        return pair_sums_may_saturate(
+            kernel.weight_int, input_max, getattr(kernel, "output_channel_axis", 0)
+        )
+
     def _input_uses_8_bits(self, match: KernelMatch, root: Node) -> bool:
         """Whether the values multiplying the weights (the first input) may use the 8th
         bit of uint8: a narrowed range in the graph says no (a Quantizer's 0..127);
         fixed qparams (sigmoid, softmax, tanh) use all of 0..255. A full range in the
-        graph is ambiguous: FX quantizes to the whole dtype, as torch.ao does, whatever
-        the observer's range, so there the QConfig's observer tells (7 bits with
-        ``reduce_range``, fbgemm's and x86's defaults). On PT2E (no FX state here) it
-        may be a Quantizer's 0..255 or a QConfig's ``reduce_range`` observer, which the
-        graph does not tell apart: left as it is."""
+        graph is the observer's own where ``observed_ranges`` (a PT2E Quantizer's);
+        under QConfig semantics it is the whole dtype, as torch.ao does, whatever the
+        observer's range, so there the QConfig's observer tells (7 bits with
+        ``reduce_range``, fbgemm's and x86's defaults). A PT2E graph prepared from
+        QConfigs keeps no QConfig here: left as it is."""
         x = match.inputs[0] if match.inputs else None
         if x is None or x.dtype != torch.quint8:
             return False
         if x.quant_range is not None:
             return x.quant_range[1] - x.quant_range[0] > 127
+        if self.observed_ranges:
+            return True
         if any(
             abs(x.scale - scale) < 1e-12 and x.zero_point == zero_point
             for scale, zero_point in _FIXED_QPARAMS
@@ -473,10 +499,16 @@ class _Lowering:
             user.replace_all_uses_with(dequantized)
 
 
-def lower(gm: GraphModule, kernels: tuple, backend: str) -> GraphModule:
-    """Lower ``gm`` (reference form, modified in place) with ``kernels``."""
+def lower(
+    gm: GraphModule, kernels: tuple, backend: str, *, observed_ranges: bool = False
+) -> GraphModule:
+    """Lower ``gm`` (reference form, modified in place) with ``kernels``.
+
+    ``observed_ranges``: the graph's quantize ranges are the observers' own (a PT2E
+    Quantizer's), rather than the dtype's whatever the observer (QConfig semantics).
+    """
     quiet_quantized_tensors()
-    lowering = _Lowering(gm, kernels, backend)
+    lowering = _Lowering(gm, kernels, backend, observed_ranges)
     lowering.run()
     lowering.read_shapes_from_int8()
     gm.graph.eliminate_dead_code()

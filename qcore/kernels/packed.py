@@ -18,7 +18,6 @@ import torch
 
 from qcore.engine.reference import QParams, ReferenceModule, weighted_child
 from qcore.kernels.runtime import (
-    SEVEN_BIT_WEIGHT_LIMIT,
     TORCH_QUANTIZED_DTYPE,
     packing_for,
     quiet_quantized_tensors,
@@ -71,9 +70,6 @@ class PackedWeights(OutputQParamsState):
     #: CPUs without VNNI (``qcore.kernels.runtime.saturates_uint8_products``).
     sums_uint8_products = False
 
-    #: Weights requantized to 7 bits (:meth:`use_seven_bit_weights`); kept after loading.
-    seven_bit_weights = False
-
     def __init__(self, engine: str) -> None:
         super().__init__()
         self.engine = engine
@@ -100,45 +96,17 @@ class PackedWeights(OutputQParamsState):
         bias = getattr(weighted_child(reference.module), "bias", None)
         self.set_weight(reference.integer_weight(name), reference.weight_qparams[name], bias)
 
-    def use_seven_bit_weights(self) -> None:
-        """Requantize the weights to 7 bits (|w| <= 64) and pack them again.
+    def can_move_to(self, engine: str) -> bool:
+        """Whether :meth:`move_to` may pack this kernel for ``engine``: its ops are
+        torch's ``quantized`` ops (they run on whichever engine packed the weights)
+        and torch was built with that engine."""
+        return self.packs_for_global_engine and engine in torch.backends.quantized.supported_engines
 
-        For an input whose values use the 8th bit (fixed-qparams outputs: sigmoid,
-        softmax, tanh; any activation observed over 0..255) on a CPU where fbgemm and
-        oneDNN sum pairs of uint8 * int8 products in 16 bits: 2 * 255 * 127 overflows
-        int16, 2 * 255 * 64 does not. Halving the weights' resolution costs less than
-        halving the input's (measured: docs/architecture.md) and nothing at run time;
-        the reference keeps its 8-bit weights. Each channel (or the tensor, for
-        per-tensor weights) is scaled by max|w - zero_point| / 64 where that exceeds 1,
-        to symmetric weights (zero point 0): a weight already within 64 is unchanged.
-        """
-        self.seven_bit_weights = True
-        self._narrow_weights()
+    def move_to(self, engine: str) -> None:
+        """Pack the weights for ``engine`` instead: the kernel then runs there, and
+        keeps that engine through state_dict loads and pickling."""
+        self.engine = engine
         self.repack()
-
-    def _narrow_weights(self) -> None:
-        if self.weight_dtype not in (torch.qint8, torch.int8):
-            raise ValueError(f"7-bit weights from {self.weight_dtype} weights")
-        zero_point = self.weight_zero_point.to(torch.int32)
-        weight = self.weight_int.to(torch.int32)
-        axis = self.weight_axis
-        if axis is None:
-            centred = weight - zero_point.reshape(())
-            factor = (centred.abs().max().float() / SEVEN_BIT_WEIGHT_LIMIT).clamp(min=1.0)
-            narrowed = torch.round(centred.float() / factor)
-            scale = self.weight_scale * factor.double()
-        else:
-            shape = [1] * weight.dim()
-            shape[axis] = -1
-            centred = weight - zero_point.reshape(shape)
-            dims = [d for d in range(weight.dim()) if d != axis]
-            peak = centred.abs().amax(dim=dims).float()
-            factor = (peak / SEVEN_BIT_WEIGHT_LIMIT).clamp(min=1.0)
-            narrowed = torch.round(centred.float() / factor.reshape(shape))
-            scale = self.weight_scale * factor.double()
-        self.weight_int = narrowed.to(self.weight_int.dtype)
-        self.weight_scale = scale
-        self.weight_zero_point = torch.zeros_like(self.weight_zero_point)
 
     def qweight(self) -> torch.Tensor:
         """The weight as a torch quantized tensor (float16 weights stay float16)."""
@@ -182,8 +150,6 @@ class PackedWeights(OutputQParamsState):
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         super()._load_from_state_dict(*args, **kwargs)
-        if self.seven_bit_weights:  # 8-bit weights saved by a model lowered elsewhere
-            self._narrow_weights()
         self.repack()
 
     def __getstate__(self) -> dict:

@@ -29,6 +29,7 @@ __all__ = [
     "TORCH_QUANTIZED_DTYPE",
     "int8_products_saturate",
     "packing_for",
+    "pair_sums_may_saturate",
     "saturates_uint8_products",
     "using_engine",
     "quiet_quantized_tensors",
@@ -50,9 +51,11 @@ SATURATING_ENGINES = ("fbgemm", "x86", "onednn")
 """Engines whose int8 kernels multiply u8*s8 pairs with 16-bit sums on x86 (fbgemm's,
 and oneDNN's, which torch's x86 engine also runs)."""
 
-SEVEN_BIT_WEIGHT_LIMIT = 64
-"""The largest |int8 weight| whose products with any uint8 activation, summed in pairs,
-stay within int16: 2 * 255 * 64 = 32640 <= 32767."""
+EXACT_ENGINE = "qnnpack"
+"""The engine whose int8 conv/linear widen products to 16 bits and sum them in 32 bits
+on x86: a kernel whose sums could saturate elsewhere is packed for it instead."""
+
+_INT16_MAX = 32767
 
 
 @functools.cache
@@ -78,6 +81,24 @@ def saturates_uint8_products(kernel: torch.nn.Module) -> bool:
         and getattr(kernel, "engine", None) in SATURATING_ENGINES
         and int8_products_saturate()
     )
+
+
+def pair_sums_may_saturate(weight_int: torch.Tensor, input_max: int, output_axis: int = 0) -> bool:
+    """Whether some pair of uint8 (<= ``input_max``) * int8 products, summed in 16 bits,
+    can leave int16, whichever two of an output channel's weights the engine's packing
+    pairs: only products of the same sign add up, so each channel's two largest
+    positive (and negative) weights decide. ``output_axis`` is the weight's output
+    channel dimension (1 for transposed convs: a superset of each group's inputs)."""
+    weight = weight_int.detach().to(torch.int32)
+    if weight.dim() < 2:
+        weight = weight.reshape(1, -1)
+    else:
+        weight = weight.movedim(output_axis, 0).reshape(weight.shape[output_axis], -1)
+    if weight.shape[1] < 2:
+        return False
+    positive = weight.clamp(min=0).topk(2, dim=1).values.sum(dim=1).max().item()
+    negative = (-weight).clamp(min=0).topk(2, dim=1).values.sum(dim=1).max().item()
+    return input_max * positive > _INT16_MAX or input_max * negative > _INT16_MAX + 1
 
 
 def quiet_quantized_tensors() -> None:

@@ -165,6 +165,7 @@ class QuantizedConvTranspose(PackedWeights):
     """int8 conv_transpose1d/2d/3d on ``engine``'s packed weights."""
 
     sums_uint8_products = True
+    output_channel_axis = 1  # weights are (in, out / groups, *kernel)
 
     def __init__(self, reference: ReferenceModule, output: ActivationQParams, engine: str) -> None:
         super().__init__(engine)

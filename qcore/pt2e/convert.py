@@ -312,7 +312,9 @@ def convert_pt2e(
     for name, pattern in references.items():
         kept.append(Entry(name, pattern, Status.REFERENCE, "no kernel took it", pattern))
     attach_report(gm, Report(state.backend_name, kept))
-    lowered = lower_to_kernels(gm, state.kernels, state.backend_name)
+    lowered = lower_to_kernels(
+        gm, state.kernels, state.backend_name, observed_ranges=not state.full_range
+    )
     _delete_unused_constants(lowered)
     lowered._tracer_cls = ExportedCodeTracer  # torch.load re-traces with it
     return refuse_train_eval(lowered)

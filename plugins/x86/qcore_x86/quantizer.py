@@ -128,9 +128,10 @@ class X86Quantizer(Quantizer):
             raise TypeError(f"reduce_range: got {reduce_range!r}; expected True, False or None")
         if not reduce_range and not cpu_has_vnni():
             warnings.warn(
-                "X86Quantizer(reduce_range=False) on a CPU without VNNI: int8 conv and "
-                "linear kernels saturate with 8-bit activations (errors of several "
-                "quantization steps); leave reduce_range unset to quantize them to 7 bits",
+                "X86Quantizer(reduce_range=False) on a CPU without VNNI: oneDNN's and "
+                "fbgemm's int8 conv and linear would saturate with 8-bit activations, so "
+                "convert_pt2e runs those on qnnpack's kernels or in reference form (right, "
+                "but slower); leave reduce_range unset to quantize activations to 7 bits",
                 QCoreWarning,
                 stacklevel=2,
             )

@@ -200,6 +200,32 @@ def test_without_vnni_8bit_activations_warn_once_with_what_to_do():
     assert "without VNNI" in messages[0] and "leave reduce_range unset" in messages[0]
 
 
+@pytest.mark.skipif(cpu_has_vnni(), reason="a CPU with VNNI sums int8 products in 32 bits")
+@pytest.mark.parametrize("kind", ["conv", "linear"])
+def test_without_vnni_8bit_activations_give_the_reference_numbers(kind):
+    """8-bit activations overflow oneDNN's 16-bit pair sums here: the lowered model
+    moves those kernels to qnnpack's (or keeps them in reference form), and says so."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qcore.QCoreWarning)
+        quantizer = X86Quantizer(reduce_range=False)
+    prepared, batches = _quantize(kind, "relu", False, False, quantizer)
+    with torch.no_grad():  # weights large enough that the pair sums overflow
+        for name, param in prepared.named_parameters():
+            if name.endswith("weight") and param.dim() > 1:
+                param.mul_(8)
+        for batch in batches:
+            prepared(*batch)
+    reference = qcore.convert_pt2e(prepared, lower=False)
+    lowered = qcore.convert_pt2e(prepared)
+    reasons = [e.reason for e in qcore.explain(lowered).entries]
+    assert any("all 8 bits" in reason for reason in reasons), reasons
+    with torch.no_grad():
+        for batch in batches:
+            expected = reference(*batch)
+            step = expected.abs().max() / 127
+            assert (lowered(*batch) - expected).abs().max() <= step, kind
+
+
 def test_default_reduce_range_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
