@@ -36,6 +36,7 @@ from qcore.engine.custom_config import (
     copy_preserved,
 )
 from qcore.engine.custom_modules import custom_kernels, quantize_inputs_for, swap_quantized
+from qcore.engine.decomposed import to_decomposed
 from qcore.engine.explain import Report, report_of
 from qcore.engine.fuse import fuse_graph
 from qcore.engine.lower import lower
@@ -290,6 +291,8 @@ def _convert(
         for module in converted.modules():
             module.__dict__.pop("qconfig", None)
     copy_preserved(prepared, converted, settings.preserved_attributes)
+    if not to_kernels:
+        to_decomposed(converted)
     return converted
 
 
@@ -324,7 +327,14 @@ def convert_to_reference_fx(
     backend_config: Any = None,
 ) -> GraphModule:
     """Convert to the reference representation (quantize -> dequantize -> float op
-    -> quantize) without lowering to kernels. Arguments as :func:`convert_fx`."""
+    -> quantize) without lowering to kernels, in ``torch.ops.quantized_decomposed``
+    ops (torchao's, ExecuTorch's and Inductor's form). Arguments as :func:`convert_fx`.
+
+    Example::
+
+        >>> reference = qcore.convert_to_reference_fx(prepared)
+        >>> compiled = torch.compile(reference)
+    """
     return _convert(
         prepared,
         convert_custom_config,

@@ -280,10 +280,12 @@ def build(case: Case, backend: str, seed: int = 0) -> Built:
 
 
 def output_scale(reference) -> float | None:
-    """The scale of the reference's last per-tensor quantize before its output."""
+    """The scale of the reference's last per-tensor quantize before its output
+    (quantized_decomposed in the public reference form, qcore.ops in the lowering's)."""
+    quantize = (ops.quantize_per_tensor, torch.ops.quantized_decomposed.quantize_per_tensor.default)
     scale = None
     for node in reference.graph.nodes:
-        if node.op == "call_function" and node.target is ops.quantize_per_tensor:
+        if node.op == "call_function" and node.target in quantize:
             scale = float(node.args[1])
     return scale
 

@@ -133,7 +133,10 @@ def test_a_shared_observer_has_a_name_per_call_as_in_torch_ao():
     assert prepared.activation_post_process_0 is prepared.activation_post_process_1
     prepared(x)
     converted = qcore.convert_fx(prepared)
-    assert torch.equal(converted(x), qcore.convert_to_reference_fx(prepared)(x))
+    step = prepared.activation_post_process_1.calculate_qparams()[0].item()
+    # the decomposed reference rounds a tie (a mean of 4) the other way at times
+    worst = (converted(x) - qcore.convert_to_reference_fx(prepared)(x)).abs().max().item()
+    assert worst <= step * (1 + 1e-4)
     # no name of the shared observer outlives convert (an unused one broke TorchScript)
     names = [name for name, _ in converted.named_modules(remove_duplicate=False)]
     assert not [name for name in names if "activation_post_process" in name]

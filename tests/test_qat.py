@@ -18,7 +18,6 @@ from torch import nn
 import qcore
 from qcore.config.qconfig import QConfig
 from qcore.engine.explain import Status
-from qcore.kernels.runtime import int8_products_saturate
 from qcore.observers import (
     FakeQuantizeBase,
     FusedMovingAvgObsFakeQuantize,
@@ -93,10 +92,6 @@ def fbgemm_mappings():
 # quantizes activations over the dtype's full range 0..255 and the kernels take
 # no narrower range, so values the fake quant clamps pass unclamped after
 # convert. torch.ao's own prepare_qat_fx/convert_fx shows the same gap.
-# On x86 CPUs without VNNI, fbgemm sums pairs of u8*s8 products in 16 bits: with
-# full-range (8-bit) activations they saturate, which is why fbgemm's defaults
-# use reduce_range.
-SATURATION = "this CPU has no VNNI: fbgemm's int8 products saturate with 8-bit activations"
 REDUCED_RANGE_GAP = (
     "convert quantizes activations over the dtype's full range; the reduce_range "
     "fake quants clamp at 127 (needs convert+lowering to honour the fake quant's range)"
@@ -210,10 +205,10 @@ def test_training_lowers_the_loss(trained):
 
 def test_converted_model_matches_the_fake_quantized_model(trained, request):
     mapping_name, prepared, _ = trained
+    # Where fbgemm's int8 pair sums would saturate (no VNNI), the full-range model's
+    # convs and linears run on qnnpack's kernels: the same numbers.
     if mapping_name != "qcore-full-range":
         request.applymarker(pytest.mark.xfail(reason=REDUCED_RANGE_GAP, strict=True))
-    elif int8_products_saturate():
-        request.applymarker(pytest.mark.xfail(reason=SATURATION, strict=True))
     images, _ = synthetic_task()
     with torch.no_grad():
         fake_quantized = prepared(images)

@@ -32,6 +32,9 @@ FX_ENTRY_POINTS = (
     "convert_to_reference_fx",
     "fuse_fx",
 )
+# The peer's entry points that are qcore's under another name: torch.ao's decomposed
+# reference form is qcore's reference form (both quantized_decomposed ops).
+ALIASES = {"_convert_to_reference_decomposed_fx": "convert_to_reference_fx"}
 PT2E_ENTRY_POINTS = ("prepare_pt2e", "prepare_qat_pt2e", "convert_pt2e")
 
 # Where the peers and their test helpers bind the entry points.
@@ -87,9 +90,9 @@ def _suite_id(item: pytest.Item) -> str:
 
 
 def _swap(module, names) -> None:
-    for name in names:
+    for name in (*names, *ALIASES):
         if hasattr(module, name):
-            setattr(module, name, getattr(qcore, name))
+            setattr(module, name, getattr(qcore, ALIASES.get(name, name)))
 
 
 def _swap_homes(module_names: tuple[str, ...], names: tuple[str, ...]) -> None:
