@@ -52,7 +52,7 @@ EXIT_CODES = {
     EXIT_OK: "done (backends: no plugin broken; a blocked one is not broken; check: all passed)",
     EXIT_BROKEN_PLUGIN: "backends --load: a plugin is broken; demo: a model failed with a backend",
     EXIT_USAGE: "bad command line",
-    EXIT_UNKNOWN_BACKEND: "show, check: the backend is not installed",
+    EXIT_UNKNOWN_BACKEND: "show, check, demo --backend: the backend is not installed",
     EXIT_LOAD_ERROR: "show, check: the backend failed to load (the error is printed)",
     EXIT_CHECK_FAILED: "check: at least one conformance check failed",
 }
@@ -291,6 +291,14 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from qcore.demo import run_demo
 
+    for name in args.backend or ():
+        try:
+            default_registry().get(name)
+        except UnknownBackendError as error:
+            print(f"qcore demo: --backend {name!r}: {error}", file=sys.stderr)
+            return EXIT_UNKNOWN_BACKEND
+        except BackendLoadError:
+            pass  # the demo's row for it says what failed
     results = run_demo(args.backend, args.model, args.path, batches=args.batches)
     return EXIT_BROKEN_PLUGIN if any(result.error for result in results) else EXIT_OK
 
@@ -360,11 +368,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="quantize the bundled example models with every installed backend",
         description="Quantize the bundled example models with every installed backend "
         "(FX and PT2E) and print accuracy, size and latency.",
-        epilog=_exit_codes(EXIT_OK, EXIT_BROKEN_PLUGIN, EXIT_USAGE),
+        epilog=_exit_codes(EXIT_OK, EXIT_BROKEN_PLUGIN, EXIT_USAGE, EXIT_UNKNOWN_BACKEND),
         formatter_class=formatter,
     )
+    from qcore.examples import ZOO
+
     demo.add_argument("--backend", action="append", help="only this backend (repeatable)")
-    demo.add_argument("--model", action="append", help="only this example model (repeatable)")
+    demo.add_argument(
+        "--model",
+        action="append",
+        choices=sorted(ZOO),
+        help="only this example model (repeatable)",
+    )
     demo.add_argument("--path", action="append", choices=["fx", "pt2e"], help="only this path")
     demo.add_argument("--batches", type=int, default=8, help="calibration batches (default 8)")
     demo.set_defaults(run=cmd_demo)

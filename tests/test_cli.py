@@ -140,7 +140,7 @@ def test_help_describes_the_command_and_every_exit_code(capsys):
     [
         ("backends", (0, 1, 2)),
         ("show", (0, 2, 3, 4)),
-        ("demo", (0, 1, 2)),
+        ("demo", (0, 1, 2, 3)),
         ("check", (0, 2, 3, 4, 5)),
     ],
 )
@@ -158,3 +158,18 @@ def test_every_exit_code_is_documented_in_the_plugin_guide():
     guide = (Path(__file__).parents[1] / "docs" / "plugin-guide.md").read_text()
     for code in cli.EXIT_CODES:
         assert f"\n| {code} | " in guide
+
+
+def test_demo_names_an_unknown_model_and_the_choices(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--model", "nosuch"])
+    assert exit_info.value.code == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "--model: invalid choice: 'nosuch'" in err and "'resnet18_like'" in err
+
+
+def test_demo_refuses_an_unknown_backend_before_quantizing_anything(capsys):
+    assert cli.main(["demo", "--backend", "nosuch", "--model", "mlp"]) == cli.EXIT_UNKNOWN_BACKEND
+    captured = capsys.readouterr()
+    assert "--backend 'nosuch': unknown backend 'nosuch'" in captured.err
+    assert captured.out == ""
