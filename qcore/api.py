@@ -27,6 +27,7 @@ from torch.fx import GraphModule
 from qcore.config import BackendConfig
 from qcore.config.errors import describe
 from qcore.config.qconfig import as_qconfig_mapping
+from qcore.config.standard_ops import standard_fusion_config
 from qcore.engine.boundaries import quantize_boundaries
 from qcore.engine.constants import observe_constants
 from qcore.engine.convert import convert_to_reference, state_of
@@ -353,10 +354,17 @@ def fuse_fx(
     backend_config: Any = None,
     is_qat: bool = False,
 ) -> GraphModule:
-    """A traced copy of ``model`` with the backend's fusion rules applied."""
+    """A traced copy of ``model`` with the backend's fusion rules applied; with no
+    backend, the standard families' (conv/linear + batch norm + relu), as torch.ao's
+    ``fuse_fx`` applies its native config's, whatever plugins are installed."""
     if _is_custom_config(backend) and fuse_custom_config is None:
         backend, fuse_custom_config = None, backend  # torch.ao's positional order
-    _, config, _, _ = resolve_backend(backend, backend_config)
+    if backend is None and backend_config is None:
+        # Not native's union: a module fused for one backend (onednn's LinearTanh)
+        # is one the others leave float (docs/architecture.md).
+        config = standard_fusion_config()
+    else:
+        _, config, _, _ = resolve_backend(backend, backend_config)
     settings = as_custom_config(fuse_custom_config, "fuse_custom_config")
     gm = trace(model, settings)
     fuse_graph(gm, config, is_qat)

@@ -166,3 +166,58 @@ def test_torch_ao_observer_state_dict_utilities_take_qcore_observers():
     state = torch.ao.quantization.get_observer_state_dict(calibrated)
     torch.ao.quantization.load_observer_state_dict(fresh, state)
     assert torch.equal(qcore.convert_fx(fresh)(x), qcore.convert_fx(calibrated)(x))
+
+
+class LinearThen(nn.Module):
+    def __init__(self, activation: nn.Module, with_bn: bool = False) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4) if with_bn else None
+        self.activation = activation
+
+    def forward(self, x):
+        x = self.linear(x)
+        return self.activation(x if self.bn is None else self.bn(x))
+
+
+_FUSED_FOR_ONEDNN = {
+    nn.Tanh: torch.ao.nn.intrinsic.LinearTanh,
+    nn.LeakyReLU: torch.ao.nn.intrinsic.LinearLeakyReLU,
+}
+
+
+def _module_classes(model: nn.Module) -> set[type]:
+    return {type(module) for module in model.modules()}
+
+
+@pytest.mark.parametrize("with_bn", [False, True])
+@pytest.mark.parametrize("activation", [nn.Tanh, nn.LeakyReLU], ids=lambda c: c.__name__)
+def test_fuse_fx_without_a_backend_fuses_what_every_backend_fuses(activation, with_bn):
+    """fuse_fx's default fused with native, the installed backends' union, so x86's
+    onednn made Linear+Tanh a LinearTanh, a module no other backend quantizes.
+    Without a backend it fuses as torch.ao's default (its native config) does."""
+    model = LinearThen(activation(), with_bn).eval()
+    fused = qcore.fuse_fx(model)
+    assert {nn.Linear, activation} <= _module_classes(fused)  # a batch norm folds in
+    assert _FUSED_FOR_ONEDNN[activation] not in _module_classes(fused)
+    # the standard fusions still happen
+    standard = qcore.fuse_fx(LinearThen(nn.ReLU()).eval())
+    assert torch.ao.nn.intrinsic.LinearReLU in _module_classes(standard)
+    # asked for by name, the backend's own fusions apply (onednn: Linear [+ BatchNorm1d]
+    # + LeakyReLU, Linear + Tanh)
+    if installed("onednn") and not (with_bn and activation is nn.Tanh):
+        by_name = qcore.fuse_fx(model, backend="onednn")
+        assert _FUSED_FOR_ONEDNN[activation] in _module_classes(by_name)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(fused(x), model(x))
+
+
+def test_fuse_fx_default_fusions_are_torch_ao_native_ones():
+    import torch.ao.quantization.backend_config.utils  # noqa: F401  (native's import needs it)
+    from torch.ao.quantization.backend_config import get_native_backend_config
+
+    from qcore.config.standard_ops import standard_fusion_config
+
+    ours = {str(config.pattern) for config in standard_fusion_config().configs}
+    native = get_native_backend_config().configs
+    assert ours == {str(c.pattern) for c in native if c.fuser_method is not None}

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from qcore.config.backend import BackendConfig
 from qcore.config.dtypes import DTypeConfig
 from qcore.config.pattern import BackendPatternConfig
 from qcore.config.standard_activation_ops import (
@@ -81,6 +82,7 @@ __all__ = [
     "own_qparams_op_pattern_configs",
     "rnn_pattern_configs",
     "shared_qparams_op_pattern_configs",
+    "standard_fusion_config",
     "standard_pattern_configs",
     "tensor_info_op_pattern_configs",
 ]
@@ -127,3 +129,16 @@ def standard_pattern_configs(
         if dtype_configs is not None:
             configs += build(dtype_configs)
     return configs
+
+
+def standard_fusion_config() -> BackendConfig:
+    """The fusion rules of the standard families alone (conv/linear with batch norm
+    and relu, batch norm with relu): what ``fuse_fx`` applies when no backend is
+    named, as torch.ao's ``fuse_fx`` applies its native config's. A backend's own
+    fusions (onednn's Linear+Tanh, Linear+LeakyReLU, Conv+Add) are left for
+    ``prepare_fx`` with that backend, or ``fuse_fx(model, backend=...)``: a module
+    fused for one backend is one no other backend quantizes."""
+    configs = standard_pattern_configs(**{family: [] for family in STANDARD_FAMILIES})
+    return BackendConfig("standard").set_backend_pattern_configs(
+        [config for config in configs if config.fuser_method is not None]
+    )
