@@ -50,6 +50,7 @@ _LAZY = {
     "convert_to_reference_fx": "qcore.api",
     "fuse_fx": "qcore.api",
     "quantize": "qcore.api",
+    "quantize_dynamic": "qcore.api",
     "explain": "qcore.api",
     "QConfig": "qcore.config.qconfig",
     "QConfigMapping": "qcore.config.qconfig",

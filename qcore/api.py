@@ -18,7 +18,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -55,6 +55,7 @@ __all__ = [
     "prepare_fx",
     "prepare_qat_fx",
     "quantize",
+    "quantize_dynamic",
     "resolve_backend",
 ]
 
@@ -180,12 +181,15 @@ def _is_custom_config(value: Any) -> bool:
 def _prepare(
     model: torch.nn.Module,
     qconfig_mapping: Any,
-    example_inputs: tuple,
+    example_inputs: tuple | None,
     backend: Any,
     prepare_custom_config: Any,
     backend_config: Any,
     is_qat: bool,
+    inputs_optional: bool = False,
 ) -> GraphModule:
+    """prepare_fx, prepare_qat_fx and quantize_dynamic; with ``inputs_optional``,
+    ``example_inputs=None`` reads which values are tensors off the graph."""
     if _is_custom_config(backend) and prepare_custom_config is None:
         backend, prepare_custom_config = None, backend
     name, config, kernels, installed = resolve_backend(backend, backend_config)
@@ -193,7 +197,7 @@ def _prepare(
     prepared = prepare(
         model,
         _check_mapping(qconfig_mapping, installed, is_qat),
-        _check_inputs(example_inputs),
+        None if inputs_optional and example_inputs is None else _check_inputs(example_inputs),
         name,
         config,
         kernels,
@@ -378,24 +382,130 @@ def quantize(
     calibration_data: Iterable[Any],
     backend: Any = None,
     qconfig_mapping: Any = None,
+    *,
+    input_fn: Callable[[Any], Any] | None = None,
 ) -> GraphModule:
     """Post-training quantization in one call: prepare, calibrate, convert.
 
-    Each calibration item is a tuple of positional inputs (or a single tensor).
+    ``calibration_data`` is any iterable of batches (a list, a DataLoader). Each
+    batch is one call of the model:
+
+    * a tensor: the one input, ``model(batch)``;
+    * a tuple or list: the positional inputs, in order; trailing items beyond the
+      parameters ``model.forward`` takes (the labels of a DataLoader's ``(x, y)``)
+      are dropped;
+    * a dict: keyword arguments, ``model(**batch)``; each key a parameter of forward;
+    * ``input_fn(batch)``, when given, gives the arguments instead (a tensor, a
+      tuple of positional inputs taken as it is, or a dict of keyword arguments).
+
+    A batch that does not fit ``model.forward`` is a TypeError naming its index,
+    what it holds and forward's signature, raised before the model runs on it.
+
+    Example::
+
+        >>> loader = torch.utils.data.DataLoader(dataset, batch_size=8)  # yields [x, y]
+        >>> quantized = qcore.quantize(model, (torch.randn(1, 16),), loader, backend="x86")
+        >>> quantized = qcore.quantize(model, (x,), records, backend="x86",
+        ...                            input_fn=lambda record: record["image"])
     """
+    from qcore.calibration import calibration_calls
+
     prepared = prepare_fx(model, qconfig_mapping, example_inputs, backend)
     with torch.no_grad():
-        for batch in calibration_data:
-            prepared(*batch) if isinstance(batch, (tuple, list)) else prepared(batch)
+        for args, kwargs in calibration_calls(model, calibration_data, input_fn):
+            prepared(*args, **kwargs)
+    return convert_fx(prepared)
+
+
+#: What ``quantize_dynamic`` quantizes by default: torch.ao's set, and F.linear.
+DYNAMIC_DEFAULT_TYPES: tuple = (
+    torch.nn.Linear,
+    torch.nn.functional.linear,
+    torch.nn.LSTM,
+    torch.nn.GRU,
+    torch.nn.LSTMCell,
+    torch.nn.RNNCell,
+    torch.nn.GRUCell,
+)
+
+
+def _dynamic_mapping(qconfig_spec: Any, dtype: Any) -> Any:
+    """torch.ao's quantize_dynamic ``qconfig_spec`` as a QConfigMapping."""
+    from qcore.config.qconfig import (
+        QConfigMapping,
+        default_dynamic_qconfig,
+        float16_dynamic_qconfig,
+    )
+
+    defaults = {torch.qint8: default_dynamic_qconfig, torch.float16: float16_dynamic_qconfig}
+    if dtype not in defaults:
+        raise ValueError(
+            f"dtype: got {describe(dtype)}; expected torch.qint8 (int8 weights, activations "
+            "quantized per batch) or torch.float16 (float16 weights). For weight-only "
+            "embeddings use prepare_fx with float_qparams_weight_only_qconfig"
+        )
+    if qconfig_spec is None:
+        qconfig_spec = DYNAMIC_DEFAULT_TYPES
+    if isinstance(qconfig_spec, (set, frozenset, list, tuple)):
+        qconfig_spec = dict.fromkeys(qconfig_spec, defaults[dtype])
+    if not isinstance(qconfig_spec, dict):
+        raise TypeError(
+            f"qconfig_spec: got {describe(qconfig_spec)}; expected None (nn.Linear, F.linear, "
+            "LSTM, GRU and the RNN cells), a set of module classes, functions or module "
+            "names, or a dict mapping them to QConfigs"
+        )
+    mapping = QConfigMapping()
+    for key, qconfig in qconfig_spec.items():
+        if isinstance(key, str):
+            mapping.set_module_name(key, qconfig)
+        elif callable(key):  # a module class or a function
+            mapping.set_object_type(key, qconfig)
+        else:
+            raise TypeError(
+                f"qconfig_spec: key {describe(key)}; expected a module class (nn.Linear), a "
+                "function (F.linear) or a module name ('encoder.fc')"
+            )
+    return mapping
+
+
+def quantize_dynamic(
+    model: torch.nn.Module,
+    qconfig_spec: Any = None,
+    dtype: torch.dtype = torch.qint8,
+    *,
+    backend: Any = None,
+    example_inputs: tuple | None = None,
+) -> GraphModule:
+    """Dynamic quantization in one call: int8 (or float16) weights, activations
+    quantized on the fly per batch, no calibration data. ``model`` is not modified.
+
+    By default ``nn.Linear``, ``F.linear``, ``nn.LSTM``, ``nn.GRU`` and the RNN cells
+    are quantized, each with a relu that follows it (``nn.ReLU``, ``F.relu``) fused
+    in: ``F.relu(F.linear(x, w, b))`` runs as one linear_relu_dynamic kernel.
+    ``qconfig_spec`` is torch.ao's: a set of module classes, functions or module
+    names (quantized with ``dtype``'s default QConfig), or a dict mapping them to
+    QConfigs. ``dtype`` is ``torch.qint8`` or
+    ``torch.float16``. ``example_inputs`` are optional: given, prepare runs them once
+    to learn which values are tensors; else that is read off the graph.
+
+    Example::
+
+        >>> quantized = qcore.quantize_dynamic(model, backend="x86")
+        >>> print(qcore.explain(quantized))     # linear_dynamic, linear_relu_dynamic, ...
+        >>> fp16 = qcore.quantize_dynamic(model, {torch.nn.Linear}, torch.float16, backend="x86")
+    """
+    mapping = _dynamic_mapping(qconfig_spec, dtype)
+    prepared = _prepare(model, mapping, example_inputs, backend, None, None, False, True)
     return convert_fx(prepared)
 
 
 def explain(model: torch.nn.Module) -> Report:
-    """Why each node of a prepared or converted model is (not) quantized."""
-    report = report_of(model) if isinstance(model, GraphModule) else None
+    """Why each node of a prepared or converted model is (not) quantized. For a
+    model from :func:`qcore.compile`, the report of the reference form it compiled."""
+    report = report_of(model) if isinstance(model, torch.nn.Module) else None
     if report is None:
         raise TypeError(
             f"model: got {type(model).__name__}; expected a model returned by "
-            "qcore.prepare_fx, prepare_qat_fx, convert_fx or quantize"
+            "qcore.prepare_fx, prepare_qat_fx, convert_fx, quantize or compile"
         )
     return report

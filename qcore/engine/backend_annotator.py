@@ -23,7 +23,7 @@ from qcore.config.pattern import format_pattern
 from qcore.engine.custom_config import UnsupportedSetting
 from qcore.engine.explain import Entry, Status, op_name
 from qcore.engine.match import Match, find_matches, node_op
-from qcore.engine.qconfigs import qconfig_equals
+from qcore.engine.qconfigs import pattern_qconfig
 from qcore.ops import storage_dtype
 from qcore.quantizer.spec import (
     DerivedQuantizationSpec,
@@ -265,10 +265,11 @@ def _annotate_custom_call(
 
 def _match_qconfig(match: Match, qconfigs: Mapping[Node, Any]) -> tuple[Any, str | None]:
     found = [qconfigs.get(node) for node in match.nodes]
-    qconfig = found[0] if found else None
-    if qconfig is None:
+    if all(other is None for other in found):
         return None, "no QConfig for this pattern in the QConfigMapping"
-    if any(not qconfig_equals(qconfig, other) for other in found[1:]):
+    others = [qconfigs.get(node) for node in match.nodes if node is not match.root]
+    qconfig = pattern_qconfig(qconfigs.get(match.root), others)
+    if qconfig is None:
         return None, (
             f"the nodes of pattern {match.config.describe_pattern()} have different QConfigs; "
             "give them the same one"

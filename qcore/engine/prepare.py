@@ -25,7 +25,7 @@ from qcore.engine.explain import Entry, Report, Status, attach_report
 from qcore.engine.fuse import fuse_graph
 from qcore.engine.infer import inferred_tensor_nodes
 from qcore.engine.observe import insert_observers, name_observers_per_call
-from qcore.engine.qconfigs import assign_qconfigs, qconfig_equals
+from qcore.engine.qconfigs import assign_qconfigs, pattern_qconfig
 from qcore.engine.trace import CustomConfig, trace
 from qcore.quantizer.spec import QuantizationAnnotation
 
@@ -76,13 +76,16 @@ class PreparedState:
     """Graph inputs and outputs that are torch quantized tensors once converted."""
 
 
-def _tensor_nodes(gm: GraphModule, example_inputs: tuple) -> set[Node]:
+def _tensor_nodes(gm: GraphModule, example_inputs: tuple | None) -> set[Node]:
     """Nodes whose value is a Tensor, found by running copies of the example inputs.
 
     The probe runs on clones, so in-place ops in the model never touch the caller's
     tensors. torch.ao never runs the example inputs, so models whose inputs do not
-    run are accepted too: their tensor nodes are then inferred from the graph.
+    run are accepted too: their tensor nodes are then inferred from the graph, as
+    they are without a warning when there are none (``quantize_dynamic``).
     """
+    if example_inputs is None:
+        return inferred_tensor_nodes(gm)
     training = gm.training
     gm.eval()  # the probe run must not move batch-norm statistics
     copies = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, example_inputs)
@@ -119,9 +122,10 @@ def _holds_float(meta: Any) -> bool:
 
 def _fused_qconfig(new_node: Node, old_nodes: list[Node], qconfigs: dict, notes: dict) -> None:
     found = [qconfigs.get(node) for node in old_nodes]
-    first = found[-1]  # the root module, first in forward order
-    if all(qconfig_equals(first, other) for other in found):
-        qconfigs[new_node] = first
+    # the root module is the last of old_nodes, first in forward order
+    qconfig = pattern_qconfig(found[-1], found[:-1])
+    if qconfig is not None or all(other is None for other in found):
+        qconfigs[new_node] = qconfig
     else:
         qconfigs[new_node] = None
         notes[new_node] = (
@@ -158,7 +162,7 @@ def _swap_qat_modules(gm: GraphModule, decisions: list[Decision]) -> None:
 def prepare(
     model: torch.nn.Module,
     qconfig_mapping: Any,
-    example_inputs: tuple,
+    example_inputs: tuple | None,
     backend_name: str,
     backend_config: BackendConfig,
     kernels: tuple,

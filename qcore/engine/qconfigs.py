@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-__all__ = ["assign_qconfigs", "node_scope", "qconfig_equals"]
+__all__ = ["assign_qconfigs", "node_scope", "pattern_qconfig", "qconfig_equals"]
 
 
 def node_scope(node: Node, root_type: type) -> tuple[str, type]:
@@ -102,3 +102,24 @@ def qconfig_equals(a: Any, b: Any) -> bool:
     return _ctr_key(a.activation) == _ctr_key(b.activation) and _ctr_key(a.weight) == _ctr_key(
         b.weight
     )
+
+
+def pattern_qconfig(root: Any, others: list[Any]) -> Any:
+    """The QConfig of a pattern (or fused module) whose root node has ``root`` and
+    whose other nodes have ``others``; None when they differ.
+
+    A dynamic QConfig on the root also covers nodes with none of their own: a
+    dynamic pattern observes no activation, so ``set_object_type(nn.Linear,
+    default_dynamic_qconfig)`` quantizes ``F.relu(linear(x))`` as the fused
+    linear_relu_dynamic without a QConfig for relu (torch.ao's FX raises a
+    LookupError asking for one; its eager quantize_dynamic ignores the relu).
+    """
+    if all(qconfig_equals(root, other) for other in others):
+        return root
+    if root is None or any(
+        other is not None and not qconfig_equals(root, other) for other in others
+    ):
+        return None
+    from qcore.config.compat import qconfig_dtypes
+
+    return root if qconfig_dtypes(root)[2] else None

@@ -100,7 +100,7 @@ def families() -> list[tuple[str, list, object]]:
     return [
         ("linear_relu", [nni.LinearReLU, *_with_relu([torch.nn.Linear])], relu_linear),
         ("linear", [torch.nn.Linear, nni.LinearBn1d, nniqat.LinearBn1d], QuantizedLinear.lower),
-        ("linear_relu_dynamic", [nni.LinearReLU], dynamic_relu),
+        ("linear_relu_dynamic", [nni.LinearReLU, *_with_relu([torch.nn.Linear])], dynamic_relu),
         ("linear_dynamic", [torch.nn.Linear], DynamicLinear.lower),
         *conv_kinds,
         ("rnn_dynamic", [torch.nn.LSTM, torch.nn.GRU], DynamicRNN.lower),

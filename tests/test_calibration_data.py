@@ -1,0 +1,136 @@
+"""qcore.quantize takes calibration data as users have it (issue 16 §2): a
+DataLoader's (x, y) pairs, dicts of keyword arguments, or any batch through
+input_fn; a batch that does not fit forward is an error naming it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from backends import backend_params
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import qcore
+
+BACKEND = backend_params(("x86", "fbgemm", "qnnpack"))
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.fc(x) + bias)
+
+
+class OneInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.fc(x))
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    xs = torch.randn(16, 8, generator=generator) * 3
+    biases = torch.randn(16, 4, generator=generator)
+    labels = torch.randint(0, 4, (16,), generator=generator)
+    return xs, biases, labels
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module, *inputs) -> bool:
+    return torch.equal(a(*inputs), b(*inputs))
+
+
+@pytest.mark.parametrize("backend", BACKEND)
+def test_dataloader_of_x_y_pairs_drops_the_labels(backend):
+    xs, _, labels = _data()
+    model = OneInput().eval()
+    example = (xs[:1],)
+    reference = qcore.quantize(model, example, [xs[i : i + 4] for i in (0, 4, 8, 12)], backend)
+    loader = DataLoader(TensorDataset(xs, labels), batch_size=4)  # yields [x, y] lists
+    from_loader = qcore.quantize(model, example, loader, backend)
+    from_tuples = qcore.quantize(model, example, [(x, y) for x, y in loader], backend)
+    assert _same(reference, from_loader, xs) and _same(reference, from_tuples, xs)
+    # Calibration saw the data: a model calibrated on other values differs.
+    other = qcore.quantize(model, example, [xs[:4] / 10], backend)
+    assert not _same(reference, other, xs)
+
+
+@pytest.mark.parametrize("backend", BACKEND)
+def test_two_inputs_from_tuples_dicts_and_input_fn(backend):
+    xs, biases, labels = _data()
+    model = TwoInputs().eval()
+    example = (xs[:1], biases[:1])
+    chunks = [slice(i, i + 4) for i in (0, 4, 8, 12)]
+    reference = qcore.quantize(model, example, [(xs[s], biases[s]) for s in chunks], backend)
+    with_labels = [(xs[s], biases[s], labels[s]) for s in chunks]
+    as_dicts = [{"x": xs[s], "bias": biases[s]} for s in chunks]
+    records = [{"features": xs[s], "offset": biases[s], "label": labels[s]} for s in chunks]
+    for quantized in (
+        qcore.quantize(model, example, with_labels, backend),
+        qcore.quantize(model, example, as_dicts, backend),
+        qcore.quantize(
+            model,
+            example,
+            records,
+            backend,
+            input_fn=lambda record: (record["features"], record["offset"]),
+        ),
+        qcore.quantize(
+            model,
+            example,
+            records,
+            backend,
+            input_fn=lambda record: {"x": record["features"], "bias": record["offset"]},
+        ),
+    ):
+        assert _same(reference, quantized, xs, biases)
+
+
+def test_a_batch_that_does_not_fit_names_its_index_contents_and_forward():
+    xs, biases, labels = _data()
+    model = TwoInputs().eval()
+    # Before any backend is needed: the first bad batch stops calibration.
+    too_few = [(xs[:4], biases[:4]), (xs[:4],)]
+    with pytest.raises(TypeError) as error:
+        _calibrate(model, too_few)
+    message = str(error.value)
+    assert message.startswith("calibration batch 1: got a tuple of 1 (Tensor(4, 8) float32)")
+    assert "TwoInputs.forward(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor" in message
+    assert "missing a required argument: 'bias'" in message
+    assert "input_fn=" in message
+
+    wrong_keys = [{"x": xs[:4], "label": labels[:4]}]
+    with pytest.raises(TypeError, match=r"calibration batch 0: got a dict \('x': Tensor\(4, 8\)"):
+        _calibrate(model, wrong_keys)
+    with pytest.raises(TypeError, match="forward takes no parameter named 'label'"):
+        _calibrate(model, wrong_keys)
+
+    with pytest.raises(TypeError, match=r"calibration batch 0: got str 'abc'.*not a tensor"):
+        _calibrate(model, ["abc"])
+
+    with pytest.raises(TypeError, match=r"which input_fn turned into Tensor\(4, 8\) float32"):
+        _calibrate(model, [(xs[:4], biases[:4])], input_fn=lambda batch: batch[0])
+
+    with pytest.raises(TypeError, match=r"calibration_data: got Tensor\(16, 8\) float32"):
+        _calibrate(model, xs)
+    with pytest.raises(TypeError, match=r"input_fn: got int 3; expected a function"):
+        _calibrate(model, [xs], input_fn=3)
+
+
+def _calibrate(model, data, input_fn=None):
+    from qcore.calibration import calibration_calls
+
+    return [model(*args, **kwargs) for args, kwargs in calibration_calls(model, data, input_fn)]
+
+
+@pytest.mark.parametrize("backend", BACKEND)
+def test_quantize_reports_the_bad_batch(backend):
+    xs, _, _ = _data()
+    with pytest.raises(TypeError, match=r"calibration batch 2: got int 7"):
+        qcore.quantize(OneInput().eval(), (xs[:1],), [xs[:4], xs[4:8], 7], backend)
