@@ -28,6 +28,11 @@ not consistent across its own kernels, so neither is this module:
 ``dtype`` arguments accept the quantized dtypes (``torch.quint8``, ``qint8``,
 ``qint32``) or the plain ones (``torch.uint8``, ``int8``, ``int32``); scales
 and zero points accept Python numbers or 0-d/1-d tensors.
+
+Every public function compiles with ``torch.jit.script`` (a converted model's graph
+calls them), with the same numbers: where the eager code uses what TorchScript
+lacks (``struct``, ``try``, a dict of dtypes) a ``torch.jit.is_scripting()`` branch
+computes the same value another way.
 """
 
 from __future__ import annotations
@@ -66,20 +71,34 @@ if hasattr(torch, "uint16"):
     STORAGE_DTYPES[torch.uint16] = torch.uint16
 
 
-def _f32(value: float) -> float:
-    """``value`` rounded to float32 (infinite beyond its range)."""
+@torch.jit.unused
+def _f32_eager(value: float) -> float:
     try:
         return struct.unpack("f", struct.pack("f", value))[0]
     except OverflowError:
         return math.copysign(math.inf, value)
 
 
-# fbgemm's ChooseQuantizationParams raises smaller scales to this (a float32 constant).
-_SMALL_SCALE_THRESHOLD = _f32(6.1e-5)
+def _f32(value: float) -> float:
+    """``value`` rounded to float32 (infinite beyond its range)."""
+    if not torch.jit.is_scripting():
+        return _f32_eager(value)
+    # from 2**128 - 2**103 (halfway between float32's largest, 2**128 - 2**104, and
+    # 2**128; the tie goes to even, up) float64 values round to infinity
+    if abs(value) >= 3.4028235677973366e38:
+        return math.copysign(math.inf, value)
+    if abs(value) > 3.4028234663852886e38:  # rounds to the largest (torch.full refuses)
+        return math.copysign(3.4028234663852886e38, value)
+    return float(torch.full((), value, dtype=torch.float32))
 
 
-def storage_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The plain integer dtype holding values of ``dtype`` (``quint8`` -> ``uint8``)."""
+# fbgemm's ChooseQuantizationParams raises smaller scales to this (a float32 constant:
+# _f32(6.1e-5), written out because TorchScript reads no global float).
+_SMALL_SCALE_THRESHOLD = 6.0999998822808266e-05
+
+
+@torch.jit.unused
+def _storage_dtype_eager(dtype: torch.dtype) -> torch.dtype:
     try:
         return STORAGE_DTYPES[dtype]
     except KeyError:
@@ -87,13 +106,40 @@ def storage_dtype(dtype: torch.dtype) -> torch.dtype:
         raise ValueError(f"cannot quantize to {dtype}; expected one of {known}") from None
 
 
-def _as_float32(value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(value, device=like.device).to(torch.float32)
+def storage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The plain integer dtype holding values of ``dtype`` (``quint8`` -> ``uint8``)."""
+    if not torch.jit.is_scripting():
+        return _storage_dtype_eager(dtype)
+    # STORAGE_DTYPES, spelled out for TorchScript (no dict of dtypes there)
+    if dtype == torch.quint8 or dtype == torch.quint4x2:
+        return torch.uint8
+    if dtype == torch.qint8:
+        return torch.int8
+    if dtype == torch.qint32:
+        return torch.int32
+    if dtype == torch.uint8 or dtype == torch.int8 or dtype == torch.int16:
+        return dtype
+    if dtype == torch.int32 or dtype == torch.uint16:
+        return dtype
+    raise ValueError("cannot quantize to this dtype; expected one of qcore.ops.STORAGE_DTYPES")
 
 
-def _channel_view(values: float | torch.Tensor, x: torch.Tensor, axis: int, dtype: torch.dtype):
+def _as_tensor(value: float | int | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``torch.as_tensor(value, device=like.device)``, in a form TorchScript compiles."""
+    if isinstance(value, torch.Tensor):
+        return value.to(like.device)
+    if isinstance(value, int):
+        return torch.tensor(value, device=like.device)
+    return torch.tensor(value, device=like.device)
+
+
+def _as_float32(value: float | int | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return _as_tensor(value, like).to(torch.float32)
+
+
+def _channel_view(values: torch.Tensor, x: torch.Tensor, axis: int, dtype: torch.dtype):
     """1-d per-channel ``values`` shaped to broadcast along ``axis`` of ``x``."""
-    tensor = torch.as_tensor(values, device=x.device).to(dtype)
+    tensor = values.to(x.device).to(dtype)
     axis = axis % x.dim()
     shape = [1] * x.dim()
     shape[axis] = -1
@@ -115,8 +161,9 @@ def quantize_per_tensor(
     """``x`` (float) quantized to a plain integer tensor of ``storage_dtype(dtype)``."""
     x = x.to(torch.float32)
     inv_scale = 1.0 / _as_float32(scale, x)
-    zp = torch.as_tensor(zero_point, device=x.device)
-    if storage_dtype(dtype) in (torch.uint8, torch.int8):
+    zp = _as_tensor(zero_point, x)
+    plain = storage_dtype(dtype)
+    if plain == torch.uint8 or plain == torch.int8:
         # fused multiply-add: the float64 product of two float32 is exact.
         scaled = (x.double() * inv_scale.double() + zp.double()).to(torch.float32)
     else:
@@ -131,13 +178,12 @@ def dequantize_per_tensor(
     quant_min: int | None = None,
     quant_max: int | None = None,
     dtype: torch.dtype | None = None,
-    *,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """``(q - zero_point) * scale`` in float32 (``quant_min``/``quant_max``/``dtype`` unused,
     accepted so the call mirrors :func:`quantize_per_tensor`)."""
     scale32 = _as_float32(scale, q)
-    zp = torch.as_tensor(zero_point, device=q.device).to(torch.float32)
+    zp = _as_float32(zero_point, q)
     return ((q.to(torch.float32) - zp) * scale32).to(out_dtype)
 
 
@@ -166,7 +212,6 @@ def dequantize_per_channel(
     quant_min: int | None = None,
     quant_max: int | None = None,
     dtype: torch.dtype | None = None,
-    *,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """``(q - zero_point) * scale`` per slice along ``axis``."""
@@ -191,7 +236,7 @@ def fake_quantize_per_tensor(
 ) -> torch.Tensor:
     """Quantize and dequantize in float, like ``torch.fake_quantize_per_tensor_affine``."""
     scale32 = _as_float32(scale, x)
-    zp = torch.as_tensor(zero_point, device=x.device).to(torch.float32)
+    zp = _as_float32(zero_point, x)
     rounded = torch.round(x.detach().to(torch.float32) * (1.0 / scale32)) + zp
     mask = (rounded >= quant_min) & (rounded <= quant_max)
     out = (torch.clamp(rounded, quant_min, quant_max) - zp) * scale32
@@ -208,7 +253,7 @@ def fake_quantize_per_channel(
 ) -> torch.Tensor:
     """Like ``torch.fake_quantize_per_channel_affine``."""
     scale = _channel_view(scales, x, axis, torch.float32)
-    zp_raw = torch.as_tensor(zero_points, device=x.device)
+    zp_raw = zero_points.to(x.device)
     zp = _channel_view(zp_raw, x, axis, torch.float32)
     if zp_raw.is_floating_point():
         # float zero points (per_channel_affine_float_qparams): rounded after adding.
@@ -241,9 +286,9 @@ def choose_qparams_per_tensor(
     scale = (hi - lo) / (quant_max - quant_min)  # float64, as fbgemm
     if _f32(scale) == 0.0 or math.isinf(_f32(1.0 / _f32(scale))):
         scale = 0.1
-    if scale < _SMALL_SCALE_THRESHOLD:
+    if scale < 6.0999998822808266e-05:  # _SMALL_SCALE_THRESHOLD
         original = _f32(scale)
-        scale = _SMALL_SCALE_THRESHOLD
+        scale = 6.0999998822808266e-05  # _SMALL_SCALE_THRESHOLD
         if lo == 0.0:
             hi = _f32(scale * (quant_max - quant_min))
         elif hi == 0.0:
@@ -261,10 +306,11 @@ def choose_qparams_per_tensor(
     elif initial > quant_max:
         zero_point = quant_max
     else:
-        zero_point = round(initial)  # half to even, as nearbyint
+        zero_point = int(round(initial))  # half to even, as nearbyint
+    # torch.full, not torch.tensor: TorchScript's torch.tensor(float) rounds to float32 first
     return (
-        torch.tensor(scale, dtype=torch.float64, device=x.device),
-        torch.tensor(zero_point, dtype=torch.int64, device=x.device),
+        torch.full((), scale, dtype=torch.float64, device=x.device),
+        torch.full((), zero_point, dtype=torch.int64, device=x.device),
     )
 
 

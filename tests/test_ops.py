@@ -173,3 +173,91 @@ def test_ops_as_fx_call_function_targets_and_compiled():
     assert "ops.quantize_per_tensor" in gm.code or "quantize_per_tensor" in gm.code
     compiled = torch.compile(gm, backend="eager", fullgraph=True)
     assert torch.equal(compiled(x), expected)
+
+
+_CHOOSE_CASES = [
+    torch.randn(1000) * 3,
+    torch.rand(1000) * 5 + 1,
+    -torch.rand(1000) * 5 - 1,
+    torch.randn(1000) * 1e-4,  # the small-scale cut-off
+    torch.rand(1000) * 1e-4,
+    -torch.rand(1000) * 1e-4,
+    torch.zeros(10),
+    torch.empty(0),
+    torch.tensor([1e-42, 2e-42]),  # 1 / scale beyond float32: scale 0.1
+    torch.tensor([-3e38, 3e38]),
+]
+
+
+@pytest.mark.parametrize("index", range(len(_CHOOSE_CASES)))
+@pytest.mark.parametrize("qmax", [127, 255])
+def test_ops_script_with_the_eager_numbers(index, qmax):
+    """A converted model's graph calls these: torch.jit.script compiles them (the
+    eager code's struct/try/dtype dict have scripted equivalents), bit for bit."""
+    x = _CHOOSE_CASES[index]
+    scripted = {name: torch.jit.script(getattr(ops, name)) for name in ops.__all__ if "_" in name}
+    scripted.pop("STORAGE_DTYPES")
+    eager_qparams = ops.choose_qparams_per_tensor(x, 0, qmax)
+    script_qparams = scripted["choose_qparams_per_tensor"](x, 0, qmax)
+    for eager, script in zip(eager_qparams, script_qparams, strict=True):
+        assert eager.dtype == script.dtype and torch.equal(eager, script)
+    assert torch.equal(
+        ops.fake_quantize_dynamic(x, 0, qmax, torch.quint8),
+        scripted["fake_quantize_dynamic"](x, 0, qmax, torch.quint8),
+    )
+    for dtype in (torch.quint8, torch.qint8, torch.qint32):
+        lo, hi = (0, qmax) if dtype == torch.quint8 else (-128, 127)
+        args = (x, 0.05, 3 if dtype == torch.quint8 else 0, lo, hi, dtype)
+        q, script_q = ops.quantize_per_tensor(*args), scripted["quantize_per_tensor"](*args)
+        assert q.dtype == script_q.dtype == ops.storage_dtype(dtype) and torch.equal(q, script_q)
+        tensor_qparams = (x, torch.tensor(0.05), torch.tensor(1), lo, hi, dtype)
+        assert torch.equal(
+            ops.quantize_per_tensor(*tensor_qparams),
+            scripted["quantize_per_tensor"](*tensor_qparams),
+        )
+        assert torch.equal(
+            ops.dequantize_per_tensor(q, 0.05, 3, lo, hi, dtype, torch.float16),
+            scripted["dequantize_per_tensor"](q, 0.05, 3, lo, hi, dtype, torch.float16),
+        )
+    assert torch.equal(
+        ops.fake_quantize_per_tensor(x, 0.05, 3, 0, qmax),
+        scripted["fake_quantize_per_tensor"](x, 0.05, 3, 0, qmax),
+    )
+    if x.numel() >= 2:
+        rows = x[: (x.numel() // 2) * 2].reshape(2, -1)
+        scales, zero_points = torch.tensor([0.05, 0.2]), torch.tensor([0, 3])
+        per_channel = (rows, scales, zero_points, 0, 0, qmax, torch.quint8)
+        q = ops.quantize_per_channel(*per_channel)
+        assert torch.equal(q, scripted["quantize_per_channel"](*per_channel))
+        assert torch.equal(
+            ops.dequantize_per_channel(q, scales, zero_points, 0),
+            scripted["dequantize_per_channel"](q, scales, zero_points, 0),
+        )
+        assert torch.equal(
+            ops.fake_quantize_per_channel(rows, scales, zero_points, 0, 0, qmax),
+            scripted["fake_quantize_per_channel"](rows, scales, zero_points, 0, 0, qmax),
+        )
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        0.1,
+        6.1e-5,
+        1e-46,
+        -1e-46,
+        3.4028234663852886e38,
+        3.4028235677973245e38,
+        3.4028235677973366e38,
+        -3.4028235677973366e38,
+        1e39,
+        1e300,
+        float("inf"),
+        float("nan"),
+    ],
+)
+def test_float32_rounding_scripts_with_the_eager_value(value):
+    import math
+
+    eager, script = ops._f32(value), torch.jit.script(ops._f32)(value)
+    assert (math.isnan(eager) and math.isnan(script)) or eager == script
