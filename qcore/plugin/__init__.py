@@ -10,6 +10,7 @@ from typing import Any
 from qcore.config import BackendConfig
 from qcore.plugin.kernels import Kernel
 from qcore.plugin.markers import PLUGIN_API_VERSION, hookimpl, hookspec
+from qcore.plugin.recipes import CompileRecipe
 from qcore.plugin.registry import (
     NATIVE,
     Backend,
@@ -28,6 +29,7 @@ __all__ = [
     "Backend",
     "BackendLoadError",
     "BackendRegistry",
+    "CompileRecipe",
     "Conflict",
     "Kernel",
     "Plugin",

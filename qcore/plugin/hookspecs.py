@@ -34,6 +34,7 @@ from qcore.plugin.markers import hookspec
 if TYPE_CHECKING:
     from qcore.config import BackendPatternConfig
     from qcore.plugin.kernels import Kernel
+    from qcore.plugin.recipes import CompileRecipe
 
 
 @hookspec
@@ -80,4 +81,19 @@ def qcore_backend_quantizer(backend: str, is_qat: bool) -> Any | None:
     first; other plugins' pattern configs then annotate what it leaves float
     (``qcore.pt2e.extended``). Never called for ``"native"``. As with every
     hook, an implementation may leave out the arguments it does not use.
+    """
+
+
+@hookspec(firstresult=True)
+def qcore_compile_recipe(backend: str) -> CompileRecipe | None:
+    """How ``backend``'s quantized models run fastest compiled, or None.
+
+    Called by :func:`qcore.compile` (once per call) for the backend the model was
+    prepared for. Returns a :class:`qcore.CompileRecipe`: the ``torch.compile``
+    backend and options qcore applies to the model's reference form (quantize and
+    dequantize as ``torch.ops.quantized_decomposed`` ops around float ops). None
+    means the backend's eager kernels are its best: ``qcore.compile`` then returns
+    the lowered model, as ``convert_fx``/``convert_pt2e`` do. The first non-None
+    answer wins, the backend's owner asked first. Never called for ``"native"``,
+    whose models run on the eager kernels of the backends it unites.
     """

@@ -191,6 +191,14 @@ class Backend:
             self, "qcore_backend_quantizer", is_qat=is_qat, with_plugin=True
         )
 
+    def compile_recipe(self) -> Any | None:
+        """How its plugins say its models run fastest compiled (a
+        :class:`qcore.CompileRecipe`), or None: its eager kernels are its best.
+        "native" asks no plugin."""
+        if self.name == NATIVE or self._registry is None:
+            return None
+        return self._registry._first_answer(self, "qcore_compile_recipe")
+
 
 class BackendRegistry:
     """Finds plugins, loads them when their backend is asked for, keeps them apart.
@@ -531,12 +539,19 @@ def _is_quantizer(value: Any) -> bool:
     return isinstance(value, Quantizer)
 
 
+def _is_compile_recipe(value: Any) -> bool:
+    from qcore.plugin.recipes import CompileRecipe
+
+    return isinstance(value, CompileRecipe)
+
+
 _EXPECTED_ANSWER: dict[str, tuple[Callable[[Any], bool], str]] = {
     "qcore_default_qconfig_mapping": (
         _is_qconfig_mapping,
         "a QConfigMapping (qcore's or torch.ao's)",
     ),
     "qcore_backend_quantizer": (_is_quantizer, "a qcore.Quantizer"),
+    "qcore_compile_recipe": (_is_compile_recipe, "a qcore.CompileRecipe"),
 }
 
 

@@ -206,13 +206,17 @@ def _written_buffers(gm: GraphModule) -> set[str]:
         alias = schema.arguments[0].alias_info
         first = node.args[0]
         if alias is not None and alias.is_write and isinstance(first, Node):
-            for producer in _ancestors(first):
+            for producer in _aliased_sources(first):
                 if producer.op == "get_attr":
                     written.add(producer.target)
     return written
 
 
-def _ancestors(node: Node) -> list[Node]:
+def _aliased_sources(node: Node) -> list[Node]:
+    """``node`` and the nodes whose storage it may share: through views and in-place
+    ops (their schema returns an alias of an argument), never through an op that
+    returns a new tensor, such as the conv whose output a ``relu_`` overwrites.
+    An op without a schema may alias any input."""
     seen, stack, found = set(), [node], []
     while stack:
         current = stack.pop()
@@ -220,7 +224,17 @@ def _ancestors(node: Node) -> list[Node]:
             continue
         seen.add(current)
         found.append(current)
-        stack.extend(current.all_input_nodes)
+        if current.op != "call_function":
+            continue
+        schema = getattr(current.target, "_schema", None)
+        if schema is None:
+            stack.extend(current.all_input_nodes)
+            continue
+        if not schema.returns or schema.returns[0].alias_info is None:
+            continue
+        for argument, value in zip(schema.arguments, current.args, strict=False):
+            if argument.alias_info is not None and isinstance(value, Node):
+                stack.append(value)
     return found
 
 

@@ -107,3 +107,16 @@ def onednn_pattern_configs() -> list[BackendPatternConfig]:
         *standard_pattern_configs(layer_norm=[input_output_only_quint8]),
         *standard_pattern_configs(rnn=[dynamic_int8], embedding=[weight_only_qint8]),
     ]
+
+
+def inductor_recipe():
+    """Inductor with frozen weights: torch's x86 int8 passes (oneDNN's qconv/qlinear
+    with their post-ops, the quantize/dequantize around them fused away) match the
+    reference form's ``quantized_decomposed`` graph, as they match torchao's."""
+    from qcore import CompileRecipe
+
+    return CompileRecipe(
+        "inductor",
+        {"freezing": True},
+        summary="Inductor with oneDNN's int8 passes and frozen weights",
+    )

@@ -54,3 +54,12 @@ def qcore_backend_quantizer(backend, is_qat):
     from qcore_x86.quantizer import X86Quantizer
 
     return X86Quantizer(is_qat=is_qat)
+
+
+@hookimpl
+def qcore_compile_recipe(backend):
+    """Inductor with oneDNN's int8 passes and frozen weights (``config.inductor_recipe``):
+    what ``qcore.compile`` runs x86 models with."""
+    if backend != BACKEND:
+        return None
+    return config.inductor_recipe()

@@ -1,0 +1,153 @@
+"""``qcore.compile``: a calibrated model, converted and compiled as its backend says.
+
+A backend plugin answers ``qcore_compile_recipe`` with a :class:`qcore.CompileRecipe`
+(x86 and onednn: Inductor with its int8 passes and frozen weights). qcore converts
+the prepared model to its reference form, the standard ``quantized_decomposed``
+quantize/dequantize graph those passes match, and hands it to ``torch.compile``
+with the recipe. A backend without a recipe runs fastest on its eager kernels:
+the lowered model is returned, as ``convert_pt2e`` gives it. PT2E only: the FX
+reference form keeps float weights inside its reference modules.
+
+Example::
+
+    >>> prepared = qcore.prepare_pt2e(exported, "x86")
+    >>> for batch in calibration_data:
+    ...     prepared(*batch)
+    >>> fast = qcore.compile(prepared)     # compiles on its first call
+    >>> fast(*example_inputs)
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+from qcore.config.errors import describe
+from qcore.engine.explain import _REPORT_ATTRIBUTE, report_of
+from qcore.plugin import CompileRecipe, UnknownBackendError, get_backend
+
+__all__ = ["CompiledModel", "compile"]
+
+
+class CompiledModel(torch.nn.Module):
+    """A reference-form model and its ``torch.compile`` wrapper, run per the recipe.
+
+    ``reference`` is the eager reference form (what was compiled; its outputs are
+    the specification the compiled kernels approximate), ``recipe`` the backend's
+    :class:`qcore.CompileRecipe`. ``qcore.explain`` returns the reference form's
+    report. Compilation happens on the first call, for the shapes it is given.
+    """
+
+    def __init__(self, reference: GraphModule, recipe: CompileRecipe, backend: str) -> None:
+        super().__init__()
+        self.reference = reference
+        self.recipe = recipe
+        self.backend = backend
+        options = dict(recipe.options) or None
+        compiled = torch.compile(
+            reference, backend=recipe.compiler, options=options, dynamic=recipe.dynamic
+        )
+        # Not a submodule: it wraps ``reference``, whose parameters are counted once.
+        object.__setattr__(self, "_compiled", compiled)
+        object.__setattr__(self, "_first_call_done", False)
+        report = report_of(reference)
+        if report is not None:
+            object.__setattr__(self, _REPORT_ATTRIBUTE, report)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # torch.compile hands ``options`` to Inductor only, but dynamo reads some of
+        # them too while it traces (freezing decides whether weights become
+        # constants): they are set for the call, compiled or not, and restored.
+        with self._inductor_options(), torch.no_grad() if self.recipe.no_grad else nullcontext():
+            if self._first_call_done:
+                return self._compiled(*args, **kwargs)
+            with warnings.catch_warnings():
+                # Inductor's oneDNN lowering copies a tensor with torch.tensor() while it
+                # compiles (torch 2.13): torch's own, at compile time, nothing to act on.
+                warnings.filterwarnings(
+                    "ignore", "To copy construct from a tensor", UserWarning, "torch._inductor"
+                )
+                outputs = self._compiled(*args, **kwargs)
+            object.__setattr__(self, "_first_call_done", True)
+            return outputs
+
+    def _inductor_options(self) -> AbstractContextManager:
+        if self.recipe.compiler != "inductor" or not self.recipe.options:
+            return nullcontext()
+        import torch._inductor.config as inductor_config
+
+        return inductor_config.patch(dict(self.recipe.options))
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend!r}, recipe={self.recipe.describe()}"
+
+
+def _pt2e_backend(model: Any) -> str:
+    """The backend a PT2E model was prepared for; a clear error for anything else."""
+    from qcore.engine.prepare import STATE_KEY
+    from qcore.pt2e.prepare import PT2E_STATE_KEY
+
+    meta = getattr(model, "meta", {}) if isinstance(model, GraphModule) else {}
+    if STATE_KEY in meta:
+        raise ValueError(
+            "model: prepared with qcore.prepare_fx; qcore.compile takes a model prepared with "
+            "qcore.prepare_pt2e, whose reference form is the graph compilers match (int8 "
+            "weights behind quantized_decomposed ops). An FX model runs on its eager kernels: "
+            "qcore.convert_fx(prepared)"
+        )
+    if PT2E_STATE_KEY not in meta:
+        raise TypeError(
+            f"model: got {describe(model)}; expected a calibrated model returned by "
+            "qcore.prepare_pt2e or prepare_qat_pt2e (qcore.compile converts it)"
+        )
+    state = meta[PT2E_STATE_KEY]
+    if state.foreign:
+        raise ValueError(
+            f"model: prepared with a torchao Quantizer ({state.backend_name}), which names "
+            "no backend to ask for a compile recipe; convert it with "
+            "qcore.convert_pt2e(prepared, lower=False) and torch.compile it yourself"
+        )
+    return state.backend_name
+
+
+def _backend_recipe(backend_name: str) -> CompileRecipe | None:
+    try:
+        backend = get_backend(backend_name)
+    except UnknownBackendError:  # a BackendConfig of a name no plugin serves
+        return None
+    return backend.compile_recipe()
+
+
+def compile(model: GraphModule, *, recipe: CompileRecipe | None = None) -> torch.nn.Module:  # noqa: A001
+    """Convert a calibrated PT2E model and run it as its backend runs fastest.
+
+    ``model`` comes from ``prepare_pt2e`` (or ``prepare_qat_pt2e``), after
+    calibration or training; it is not changed. (An FX model's reference form runs
+    float modules on dequantized weights, which no compiler turns into int8
+    kernels: ``convert_fx`` gives its fastest form.) The backend's plugins are asked
+    for a :class:`qcore.CompileRecipe` (``recipe=`` overrides them). With one, the
+    result is a :class:`CompiledModel`: the reference form under ``torch.compile``,
+    compiled on its first call for the shapes it gets. Without one (qnnpack,
+    fbgemm, native), the result is the model lowered to the backend's eager kernels.
+
+    Example::
+
+        >>> fast = qcore.compile(prepared)            # x86: Inductor, frozen int8 weights
+        >>> fast(*example_inputs)
+        >>> qcore.explain(fast).backend
+        'x86'
+    """
+    import qcore
+
+    backend_name = _pt2e_backend(model)
+    if recipe is not None and not isinstance(recipe, CompileRecipe):
+        raise TypeError(f"recipe: got {describe(recipe)}; expected a qcore.CompileRecipe or None")
+    if recipe is None:
+        recipe = _backend_recipe(backend_name)
+    if recipe is None:
+        return qcore.convert_pt2e(model, lower=True)
+    return CompiledModel(qcore.convert_pt2e(model, lower=False), recipe, backend_name)

@@ -1,0 +1,77 @@
+"""What a backend says about compiling its quantized models (``qcore_compile_recipe``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from qcore.config.errors import describe
+
+__all__ = ["CompileRecipe"]
+
+
+@dataclass(frozen=True)
+class CompileRecipe:
+    """How ``torch.compile`` runs a backend's quantized models fastest.
+
+    :func:`qcore.compile` applies it to the model's reference form (quantize and
+    dequantize as ``torch.ops.quantized_decomposed`` ops around float ops, the
+    graph torchao's PT2E flow hands to Inductor)::
+
+        torch.compile(reference, backend=recipe.compiler, options=recipe.options,
+                      dynamic=recipe.dynamic)
+
+    ``compiler`` is a ``torch.compile`` backend: a registered name (``"inductor"``)
+    or a callable. ``options`` go to it (for Inductor, its config keys: ``freezing``
+    folds the int8 weights into packed constants); they apply while compiling only,
+    never process-wide. ``no_grad`` runs each call under ``torch.no_grad()``, which
+    Inductor's freezing needs. ``summary`` is the line ``qcore.explain`` prints.
+
+    Example::
+
+        >>> CompileRecipe("inductor", {"freezing": True},
+        ...               summary="Inductor, x86 int8 passes, frozen weights")
+    """
+
+    compiler: str | Callable[..., Any] = "inductor"
+    options: Mapping[str, Any] = field(default_factory=dict)
+    dynamic: bool | None = None
+    no_grad: bool = True
+    summary: str = ""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.compiler, str) and self.compiler) and not callable(self.compiler):
+            raise TypeError(
+                f"CompileRecipe.compiler: got {describe(self.compiler)}; expected a "
+                "torch.compile backend name (such as 'inductor') or a callable"
+            )
+        if not isinstance(self.options, Mapping) or not all(
+            isinstance(key, str) for key in self.options
+        ):
+            raise TypeError(
+                f"CompileRecipe.options: got {describe(self.options)}; expected a mapping "
+                "with string keys (the compiler's option names)"
+            )
+        if self.dynamic is not None and not isinstance(self.dynamic, bool):
+            raise TypeError(
+                f"CompileRecipe.dynamic: got {describe(self.dynamic)}; expected True, False or None"
+            )
+        if not isinstance(self.no_grad, bool):
+            raise TypeError(
+                f"CompileRecipe.no_grad: got {describe(self.no_grad)}; expected True or False"
+            )
+        if not isinstance(self.summary, str):
+            raise TypeError(
+                f"CompileRecipe.summary: got {describe(self.summary)}; expected a string"
+            )
+        # A frozen recipe keeps its own copy: the plugin's dict may change later.
+        object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
+
+    def describe(self) -> str:
+        """One line: the compiler, its options and the summary."""
+        name = self.compiler if isinstance(self.compiler, str) else describe(self.compiler)
+        options = ", ".join(f"{key}={value!r}" for key, value in self.options.items())
+        text = f"torch.compile(backend={name}" + (f", {options})" if options else ")")
+        return f"{self.summary} ({text})" if self.summary else text

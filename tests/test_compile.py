@@ -1,0 +1,234 @@
+"""qcore.compile: a backend's compile recipe (issue 15 §2).
+
+x86's recipe is Inductor with frozen weights: the reference form's
+quantized_decomposed graph is matched by Inductor's oneDNN int8 passes, and the
+compiled model gives the reference form's numbers. A backend without a recipe
+gets its eager kernels. Compiling takes seconds, so each path compiles one small
+model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from backends import installed
+from test_registry import linear, plugin_module, registry, spec
+
+import qcore
+from qcore.compiling import CompiledModel
+
+requires_x86 = pytest.mark.skipif(not installed("x86"), reason="needs the x86 plugin")
+
+
+class ConvNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.conv2 = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = torch.nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu_(self.bn(self.conv(x)))  # an in-place relu after the conv
+        y = torch.relu(self.conv2(y)) + y
+        return self.fc(y.mean((2, 3)))
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = ConvNet().eval()
+    model.bn.running_mean.uniform_(-0.2, 0.2)
+    model.bn.running_var.uniform_(0.5, 2.0)
+    return model
+
+
+def _data(count: int = 4) -> list[tuple[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(2, 3, 12, 12, generator=generator),) for _ in range(count)]
+
+
+def _prepared(path: str, backend: str) -> torch.fx.GraphModule:
+    model, example = _model(), _data(1)[0]
+    if path == "pt2e":
+        prepared = qcore.prepare_pt2e(torch.export.export(model, example).module(), backend)
+    else:
+        prepared = qcore.prepare_fx(model, None, example, backend=backend)
+    with torch.no_grad():
+        for batch in _data():
+            prepared(*batch)
+    return prepared
+
+
+def _sqnr(expected: torch.Tensor, actual: torch.Tensor) -> float:
+    noise = (expected - actual).pow(2).mean()
+    return (10 * torch.log10(expected.pow(2).mean() / noise)).item()
+
+
+@requires_x86
+def test_x86_compiles_the_reference_form_to_int8_kernels(recwarn):
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+
+    prepared = _prepared("pt2e", "x86")
+    before = copy.deepcopy(prepared.state_dict())
+    reference = qcore.convert_pt2e(prepared, lower=False)
+    torch._dynamo.reset()
+    counters.clear()
+    fast = qcore.compile(prepared)
+    assert isinstance(fast, CompiledModel) and fast.recipe.options["freezing"] is True
+
+    (x,) = _data(1)[0]
+    x = x + 0.01  # not a calibration batch
+    recwarn.clear()
+    compiled = fast(x)
+    assert [str(w.message) for w in recwarn] == [], "compiling printed warnings"
+    with torch.no_grad():
+        eager, float_out = reference(x), _model()(x)
+    # Inductor's int8 passes took the convs and the linear: oneDNN kernels ran.
+    assert counters["inductor"]["qconv_weight_prepack_matcher_count"] >= 2
+    assert counters["inductor"]["qlinear_weight_prepack_matcher_count"] >= 1
+    # ...and they give the reference form's numbers: within a step of its output,
+    # and as accurate against float.
+    assert (compiled - eager).abs().max().item() <= 0.05 * eager.abs().max().item()
+    assert _sqnr(float_out, compiled) >= _sqnr(float_out, eager) - 0.5
+    # Compiling left no process-wide setting changed and the prepared model as it was.
+    assert inductor_config.freezing is False
+    after = prepared.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert qcore.explain(fast).backend == "x86"
+    assert "oneDNN" in repr(fast)
+
+
+@pytest.mark.parametrize("backend", ["qnnpack", "fbgemm"])
+def test_a_backend_without_a_recipe_gets_its_eager_kernels(backend):
+    if not installed(backend):
+        pytest.skip(f"needs the {backend} plugin")
+    prepared = _prepared("pt2e", backend)
+    assert qcore.get_backend(backend).compile_recipe() is None
+    fast = qcore.compile(prepared)
+    lowered = qcore.convert_pt2e(prepared)
+    assert not isinstance(fast, CompiledModel)
+    assert [e.kernel for e in qcore.explain(fast).quantized] == [
+        e.kernel for e in qcore.explain(lowered).quantized
+    ]
+    assert qcore.explain(fast).quantized, "the eager model runs on the backend's kernels"
+    (x,) = _data(1)[0]
+    assert torch.equal(fast(x), lowered(x))
+
+
+def test_native_asks_no_plugin_for_a_recipe():
+    assert qcore.get_backend("native").compile_recipe() is None
+
+
+def test_compile_takes_a_prepared_model_and_says_so():
+    with pytest.raises(TypeError, match=r"model: got .*Linear.*expected a calibrated model"):
+        qcore.compile(torch.nn.Linear(2, 2))
+
+
+def test_an_fx_model_is_pointed_to_pt2e_or_its_eager_kernels():
+    if not installed("qnnpack"):
+        pytest.skip("needs the qnnpack plugin")
+    words = r"prepared with qcore.prepare_fx; qcore.compile takes .*qcore.prepare_pt2e"
+    with pytest.raises(ValueError, match=words):
+        qcore.compile(_prepared("fx", "qnnpack"))
+
+
+def test_compile_refuses_a_recipe_of_another_type():
+    if not installed("qnnpack"):
+        pytest.skip("needs the qnnpack plugin")
+    words = r"recipe: got 'inductor' \(str\); expected a qcore.CompileRecipe"
+    with pytest.raises(TypeError, match=words):
+        qcore.compile(_prepared("pt2e", "qnnpack"), recipe="inductor")
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"compiler": 3}, r"CompileRecipe.compiler: got 3 \(int\); expected a torch.compile"),
+        ({"compiler": ""}, r"CompileRecipe.compiler: got '' \(str\)"),
+        ({"options": {1: True}}, r"CompileRecipe.options: got \{1: True\} .*; expected a mapping"),
+        ({"dynamic": "yes"}, r"CompileRecipe.dynamic: got 'yes' \(str\); expected True, False"),
+        ({"no_grad": 1}, r"CompileRecipe.no_grad: got 1 \(int\); expected True or False"),
+    ],
+)
+def test_a_recipe_names_the_field_it_refuses(fields, words):
+    with pytest.raises(TypeError, match=words):
+        qcore.CompileRecipe(**fields)
+
+
+def test_a_recipe_keeps_its_own_options():
+    options = {"freezing": True}
+    recipe = qcore.CompileRecipe("inductor", options, summary="frozen")
+    options["freezing"] = False
+    assert recipe.options == {"freezing": True}
+    assert recipe.describe() == "frozen (torch.compile(backend=inductor, freezing=True))"
+
+
+def test_a_plugin_answering_something_else_is_named():
+    module = plugin_module("m", [linear()], qcore_compile_recipe=lambda backend: "inductor")
+    backend = registry(spec("m", "qcore-m", module)).get("m")
+    with pytest.raises(
+        qcore.BackendLoadError, match=r"plugin qcore-m:m.*expected a qcore.CompileRecipe"
+    ):
+        backend.compile_recipe()
+
+
+def test_a_plugins_recipe_is_what_compile_uses():
+    recipe = qcore.CompileRecipe("eager", summary="no compiler")
+    module = plugin_module("m", [linear()], qcore_compile_recipe=lambda backend: recipe)
+    backend = registry(spec("m", "qcore-m", module)).get("m")
+    assert backend.compile_recipe() is recipe
+
+
+@pytest.mark.parametrize("backend", ["x86", "qnnpack", "fbgemm"])
+def test_weights_are_folded_to_integers_in_the_reference_form(backend):
+    """A conv whose output an in-place relu overwrites still gets its int8 weights
+    folded (it was quantized on every call: the in-place op counted as writing to
+    the conv's weight), and so does a buffer written in place: it stays live."""
+    if not installed(backend):
+        pytest.skip(f"needs the {backend} plugin")
+    reference = qcore.convert_pt2e(_prepared("pt2e", backend), lower=False)
+    weight_quantizes = [
+        n
+        for n in reference.graph.nodes
+        if n.target is torch.ops.quantized_decomposed.quantize_per_channel.default
+    ]
+    assert weight_quantizes == []
+    folded = [
+        n.target
+        for n in reference.graph.find_nodes(op="get_attr")
+        if n.target.startswith("_frozen_param")
+    ]
+    assert len(folded) == 3  # conv, conv2, fc
+    assert all(getattr(reference, name).dtype == torch.int8 for name in folded)
+
+
+class WritesItsBuffer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count.add_(1.0)
+        return self.fc(x) + torch.nn.functional.linear(x, self.count)
+
+
+@requires_x86  # x86's Quantizer quantizes a functional linear's weight
+def test_a_buffer_written_in_place_is_not_folded():
+    torch.manual_seed(0)
+    model = WritesItsBuffer().eval()
+    example = (torch.randn(2, 4),)
+    prepared = qcore.prepare_pt2e(torch.export.export(model, example).module(), "x86")
+    prepared(*example)
+    reference = qcore.convert_pt2e(prepared, lower=False)
+    # The written buffer is quantized on each call, from its value then.
+    (quantize,) = [
+        n
+        for n in reference.graph.nodes
+        if n.target is torch.ops.quantized_decomposed.quantize_per_channel.default
+    ]
+    assert quantize.args[0].target is torch.ops.aten.add_.Tensor
