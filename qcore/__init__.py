@@ -15,6 +15,17 @@ every operator and class checked against allow-lists)::
     >>> loaded = qcore.load("model.qcore")      # bit-exact, whatever the quantized engine
 """
 
+import sys as _sys
+import warnings as _warnings
+
+if "torch" not in _sys.modules:
+    # qcore runs without NumPy, and so does torch (it loses only its NumPy interop),
+    # but torch warns at import that NumPy is missing: `qcore backends` and every other
+    # command printed it. Silenced only where qcore is first to import torch.
+    with _warnings.catch_warnings():
+        _warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
+        import torch as _torch  # noqa: F401
+
 from qcore.config import (
     BackendConfig,
     BackendPatternConfig,

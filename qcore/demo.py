@@ -9,8 +9,10 @@ of whatever stayed in float.
 from __future__ import annotations
 
 import io
+import math
 import statistics
 import sys
+import textwrap
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -20,6 +22,7 @@ from typing import Any, TextIO
 import torch
 
 from qcore.config.errors import QCoreWarning
+from qcore.engine.explain import WIDTH, brief
 from qcore.examples import EVAL_SEED, ZOO, ZooEntry, export_batch_free
 from qcore.plugin import NATIVE, BackendLoadError, default_registry
 
@@ -83,14 +86,28 @@ def _size_bytes(model: torch.nn.Module) -> int:
     return buffer.tell()
 
 
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
 class _Progress:
-    """A one-line progress bar on stderr."""
+    """A one-line progress bar on a terminal; elsewhere (a log, a pipe) one plain
+    line when calibration starts, and no ``\\r`` frames."""
 
     def __init__(self, stream: TextIO, label: str, total: int) -> None:
         self.stream, self.label, self.total, self.done = stream, label, total, 0
+        self.interactive = _is_terminal(stream)
+        if not self.interactive:
+            stream.write(f"  {label}: {total} batches\n")
+            stream.flush()
 
     def step(self) -> None:
         self.done += 1
+        if not self.interactive:
+            return
         filled = round(20 * self.done / self.total)
         self.stream.write(
             f"\r  [{'#' * filled}{'.' * (20 - filled)}] {self.done}/{self.total} {self.label}"
@@ -197,6 +214,16 @@ def _demo_backends(requested: Iterable[str] | None) -> list[str]:
     return names
 
 
+def _sqnr_cell(result: DemoResult) -> str:
+    """SQNR in dB; "n/a, all float" when nothing was quantized (the output is the
+    float model's), "exact" when the quantized output equals float's."""
+    if result.ops_quantized == 0:
+        return "n/a, all float"
+    if math.isinf(result.sqnr_db):
+        return "exact"
+    return f"{result.sqnr_db:.1f}"
+
+
 def _row(result: DemoResult) -> list[str]:
     if result.error:
         return [
@@ -215,7 +242,7 @@ def _row(result: DemoResult) -> list[str]:
         result.model,
         result.path,
         f"{result.ops_quantized}/{result.ops_total} ({result.ops_on_kernels} on kernels)",
-        f"{result.sqnr_db:.1f}",
+        _sqnr_cell(result),
         f"{result.float_ms:.2f}",
         f"{result.int8_ms:.2f}",
         f"{result.speedup:.2f}x",
@@ -243,6 +270,14 @@ def format_results(results: list[DemoResult]) -> str:
     ]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
+
+
+def _wrap(text: str, indent: str) -> str:
+    """``text`` as lines within the terminal width the explain table keeps to."""
+    return (
+        "\n".join(textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=indent))
+        + "\n"
+    )
 
 
 def run_demo(
@@ -283,5 +318,9 @@ def run_demo(
         for result in floats:
             stream.write(f"  {result.backend} / {result.model} ({result.path}):\n")
             for reason, nodes in result.float_ops.items():
-                stream.write(f"    {reason}:\n      {', '.join(nodes)}\n")
+                stream.write(_wrap(brief(reason) + ":", "    ") + _wrap(", ".join(nodes), "      "))
+        if any(brief(reason) != reason for result in floats for reason in result.float_ops):
+            stream.write(
+                "  (…) marks details left out: qcore.explain(model).details(node) has them all\n"
+            )
     return results

@@ -8,17 +8,23 @@ prints as a table.
 from __future__ import annotations
 
 import enum
+import re
+import textwrap
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-__all__ = ["Entry", "Report", "Status", "attach_report", "report_of"]
+__all__ = ["WIDTH", "Entry", "Report", "Status", "attach_report", "brief", "report_of"]
 
 # Kept twice because each copy survives a different way of copying a
 # GraphModule: deepcopy keeps ``meta`` but drops plain attributes; torch.load
 # rebuilds the module with empty ``meta`` but restores the attributes.
 _REPORT_KEY = _REPORT_ATTRIBUTE = "_qcore_report"
+
+#: The columns ``print(report)`` keeps each line within.
+WIDTH = 100
+_INNERMOST = re.compile(r"\(([^()]*)\)")
 
 
 class Status(enum.Enum):
@@ -105,7 +111,18 @@ class Report:
             f"{len(self.reference)} in reference form, {len(self.float)} in float"
         )
 
-    def __str__(self) -> str:
+    def format(self, width: int | None = WIDTH, verbose: bool = False) -> str:
+        """The table ``print(report)`` shows: one line per operator, each within
+        ``width`` columns (None: no limit). A reason too long for its line is cut,
+        its long parenthesised parts (a DTypeConfig's fields, a hint) shown as
+        ``(…)``; ``verbose=True`` wraps every reason in full over as many lines as
+        it takes, and :meth:`details` gives one node's.
+
+        Example::
+
+            >>> print(report.format(width=80))
+            >>> print(report.format(verbose=True))    # nothing cut
+        """
         rows = [["NODE", "OP", "STATUS", "DETAIL"]]
         for entry in self.ops:
             detail = entry.kernel or entry.reason
@@ -113,16 +130,86 @@ class Report:
                 detail = f"kernel {entry.kernel}"
             rows.append([entry.node, entry.op, entry.status.value, detail])
         widths = [max(len(row[i]) for row in rows) for i in range(3)]
-        lines = [
-            "  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True))
-            + "  "
-            + row[3]
-            for row in rows
+        lines, cut = [], False
+        for row in rows:
+            head = "  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths, strict=True))
+            if width is None:
+                lines.append(f"{head}  {row[3]}".rstrip())
+            elif verbose:
+                lines.extend(_wrapped(head + "  ", row[3], width))
+            else:
+                short = brief(row[3])
+                line = f"{head}  {short}".rstrip()
+                if len(line) > width:  # the reason on a line of its own, cut to fit
+                    line = head.rstrip() + "\n" + fit("    " + short, width)
+                cut = cut or short != row[3] or line.endswith("…")
+                lines.append(line)
+        lines.insert(1, "-" * min(sum(widths) + 12, width or sum(widths) + 12))
+        if cut:
+            lines.append(
+                "(cut to fit: report.details(node) shows one in full; "
+                "report.format(verbose=True), all)"
+            )
+        return "\n".join([fit(self.summary(), width), *lines])
+
+    def __str__(self) -> str:
+        return self.format()
+
+    def details(self, node_name: str, width: int | None = WIDTH) -> str:
+        """Everything explain knows of one node, nothing cut: its op, status,
+        pattern, kernel and reason, each reason of a list (kernels that refused,
+        ``"; "``-separated) on lines of its own, wrapped to ``width`` columns.
+
+        Example::
+
+            >>> print(qcore.explain(converted).details("softmax"))
+        """
+        entry = self[node_name]
+        fields = [("node", entry.node), ("op", entry.op), ("status", entry.status.value)]
+        fields += [
+            (name, value)
+            for name, value in (("pattern", entry.pattern), ("kernel", entry.kernel))
+            if value
         ]
-        lines.insert(1, "-" * (sum(widths) + 6 + 6))
-        return self.summary() + "\n" + "\n".join(line.rstrip() for line in lines)
+        lines = [f"{name}: {value}" for name, value in fields]
+        parts = entry.reason.split("; ") if entry.reason else []
+        for index, part in enumerate(parts):
+            lines.extend(_wrapped("reason: " if index == 0 else " " * 8, part, width))
+        return "\n".join(lines)
 
     __repr__ = summary
+
+
+def brief(reason: str, limit: int = 40) -> str:
+    """``reason`` with each parenthesised part longer than ``limit`` characters
+    shown as ``(…)``: ``QConfig rejected by pattern Softmax: DTypeConfig(…): ...``."""
+    text, previous = reason, None
+    while text != previous:  # innermost parts first, so an enclosing one counts them folded
+        previous = text
+        text = _INNERMOST.sub(
+            lambda m: "(…)" if len(m.group(0)) > limit else f"\x01{m.group(1)}\x02", text
+        )
+    return text.replace("\x01", "(").replace("\x02", ")")
+
+
+def fit(line: str, width: int | None) -> str:
+    """``line`` cut to ``width`` columns, ending in "…" where it was cut."""
+    return line if width is None or len(line) <= width else line[: width - 1] + "…"
+
+
+def _wrapped(head: str, text: str, width: int | None) -> list[str]:
+    """``head`` + ``text`` on one line if it fits ``width``; else ``text`` wrapped under
+    its first line where ``head`` leaves it 60 columns, or below ``head``, indented 4."""
+    line = (head + text).rstrip()
+    if width is None or len(line) <= width:
+        return [line]
+    if width - len(head) >= 60:
+        indent = " " * len(head)
+        return textwrap.wrap(text, width, initial_indent=head, subsequent_indent=indent)
+    return [
+        head.rstrip(),
+        *textwrap.wrap(text, width, initial_indent="    ", subsequent_indent="    "),
+    ]
 
 
 def op_name(node: Any, modules: dict[str, torch.nn.Module]) -> str:

@@ -27,6 +27,7 @@ from qcore.engine.infer import inferred_tensor_nodes
 from qcore.engine.observe import insert_observers, name_observers_per_call
 from qcore.engine.qconfigs import assign_qconfigs, pattern_qconfig
 from qcore.engine.trace import CustomConfig, trace
+from qcore.observers.nonfinite import _caller_stacklevel
 from qcore.quantizer.spec import QuantizationAnnotation
 
 __all__ = ["STATE_KEY", "Accepted", "PreparedState", "prepare"]
@@ -246,7 +247,7 @@ def _warn_skipped(report: Report, qconfigs: dict[Node, Any]) -> None:
     warnings.warn(
         f"{len(skipped)} operator(s) with a QConfig stay in float on backend "
         f"{report.backend!r} ({', '.join(kinds[:5])}{', ...' if len(kinds) > 5 else ''}). "
-        "qcore.explain(prepared_model) gives the reason for each.",
+        "qcore.explain(model), on the model this call returns, gives the reason for each.",
         QCoreWarning,
-        stacklevel=5,
+        stacklevel=_caller_stacklevel(),  # the user's prepare_fx, quantize, ... call
     )
