@@ -21,8 +21,14 @@ accepts a QConfig when
     can produce) is no smaller;
   - ``scale_max_upper_bound``: the observer's fixed scale, or its ``eps``,
     is no larger (torch.ao does not check this field);
-  - ``scale_exact_match`` / ``zero_point_exact_match``: the observer is a
-    fixed-qparams one (it has ``scale`` and ``zero_point``) with these values.
+  - ``scale_exact_match`` (with or without ``zero_point_exact_match``): the
+    observer is a fixed-qparams one (it has ``scale`` and ``zero_point``) with
+    these values;
+  - ``zero_point_exact_match`` alone (torch.ao ignores it alone): the observer's
+    zero point is that value: fixed, or symmetric (0 for a signed dtype, 128 for
+    quint8, the middle of a custom range);
+  - ``scale_power_of_two``: the observer rounds its scales to powers of two
+    (``power_of_two_scale=True``), or its fixed scale is one.
 
 Unset fields (``None``) accept anything. Unlike torch.ao, each quant bound is
 checked on its own (torch.ao checks them only when both are set), and every
@@ -50,7 +56,7 @@ from typing import Any
 import torch
 
 from qcore.config.backend import BackendConfig
-from qcore.config.dtypes import DTypeConfig, DTypeWithConstraints
+from qcore.config.dtypes import DTypeConfig, DTypeWithConstraints, is_power_of_two
 from qcore.config.errors import ConfigError, describe
 from qcore.config.pattern import BackendPatternConfig, Pattern, format_pattern, to_complex_format
 
@@ -76,10 +82,28 @@ class ObserverFacts:
     eps: float | None = None
     fixed_scale: float | None = None
     fixed_zero_point: int | None = None
+    qscheme: Any = None
+    has_customized_qrange: bool = False
+    power_of_two_scale: bool = False
 
     @property
     def is_fixed_qparams(self) -> bool:
         return self.fixed_scale is not None and self.fixed_zero_point is not None
+
+    @property
+    def zero_point(self) -> int | None:
+        """The zero point every scale comes with, where the observer fixes it: its fixed
+        one, or a symmetric observer's (as torch's observers compute it); else None."""
+        if self.is_fixed_qparams:
+            return self.fixed_zero_point
+        if self.qscheme not in (torch.per_tensor_symmetric, torch.per_channel_symmetric):
+            return None
+        if self.dtype in (torch.quint8, torch.uint8):
+            customized = self.has_customized_qrange and None not in (self.quant_min, self.quant_max)
+            return (self.quant_min + self.quant_max) // 2 if customized else 128
+        if self.dtype == getattr(torch, "uint16", None):
+            return 2**15
+        return 0
 
 
 def _scalar(value: Any) -> Any:
@@ -109,6 +133,7 @@ def observer_facts(obs_or_fq: Any) -> ObserverFacts:
     zero_point = _scalar(getattr(inner, "zero_point", None))
     fixed = scale is not None and zero_point is not None
     eps = attribute("eps")
+    qscheme = getattr(inner, "qscheme", None) or getattr(obs_or_fq, "qscheme", None)
     return ObserverFacts(
         dtype=getattr(obs_or_fq, "dtype", None) or getattr(inner, "dtype", None),
         is_dynamic=bool(getattr(obs_or_fq, "is_dynamic", False) or attribute("is_dynamic")),
@@ -117,6 +142,9 @@ def observer_facts(obs_or_fq: Any) -> ObserverFacts:
         eps=None if eps is None else float(eps),
         fixed_scale=float(scale) if fixed else None,
         fixed_zero_point=int(zero_point) if fixed else None,
+        qscheme=qscheme if isinstance(qscheme, torch.qscheme) else None,
+        has_customized_qrange=bool(attribute("has_customized_qrange")),
+        power_of_two_scale=bool(attribute("power_of_two_scale")),
     )
 
 
@@ -212,32 +240,76 @@ def _constraint_reasons(
             )
     exact_scale = constraints.scale_exact_match
     exact_zero_point = constraints.zero_point_exact_match
-    if exact_scale is not None or exact_zero_point is not None:
-        wanted = ", ".join(
-            f"{name}={value!r}"
-            for name, value in (("scale", exact_scale), ("zero_point", exact_zero_point))
-            if value is not None
-        )
-        if not facts.is_fixed_qparams:
-            reasons.append(
-                f"{kind} is not a fixed-qparams one, but the backend requires fixed qparams "
-                f"{wanted} (use FixedQParamsObserver/FixedQParamsFakeQuantize with {wanted}, "
-                "e.g. from get_default_qconfig_mapping)"
-            )
-        else:
-            if exact_scale is not None and not math.isclose(
-                facts.fixed_scale, exact_scale, rel_tol=1e-6, abs_tol=0.0
-            ):
-                reasons.append(
-                    f"fixed scale {facts.fixed_scale!r} does not match scale_exact_match "
-                    f"{_fmt_bound(exact_scale)}"
-                )
-            if exact_zero_point is not None and facts.fixed_zero_point != exact_zero_point:
-                reasons.append(
-                    f"fixed zero_point {facts.fixed_zero_point} does not match "
-                    f"zero_point_exact_match {exact_zero_point}"
-                )
+    if exact_scale is not None:
+        reasons += _fixed_qparams_reasons(facts, exact_scale, exact_zero_point, kind)
+    elif exact_zero_point is not None:
+        reasons += _zero_point_reasons(facts, exact_zero_point, kind)
+    if constraints.scale_power_of_two:
+        reasons += _power_of_two_reasons(facts, kind)
     return reasons
+
+
+def _fixed_qparams_reasons(
+    facts: ObserverFacts, exact_scale: float, exact_zero_point: int | None, kind: str
+) -> list[str]:
+    wanted = ", ".join(
+        f"{name}={value!r}"
+        for name, value in (("scale", exact_scale), ("zero_point", exact_zero_point))
+        if value is not None
+    )
+    if not facts.is_fixed_qparams:
+        return [
+            f"{kind} is not a fixed-qparams one, but the backend requires fixed qparams "
+            f"{wanted} (use FixedQParamsObserver/FixedQParamsFakeQuantize with {wanted}, "
+            "e.g. from get_default_qconfig_mapping)"
+        ]
+    reasons = []
+    if not math.isclose(facts.fixed_scale, exact_scale, rel_tol=1e-6, abs_tol=0.0):
+        reasons.append(
+            f"fixed scale {facts.fixed_scale!r} does not match scale_exact_match "
+            f"{_fmt_bound(exact_scale)}"
+        )
+    if exact_zero_point is not None and facts.fixed_zero_point != exact_zero_point:
+        reasons.append(
+            f"fixed zero_point {facts.fixed_zero_point} does not match "
+            f"zero_point_exact_match {exact_zero_point}"
+        )
+    return reasons
+
+
+def _zero_point_reasons(facts: ObserverFacts, wanted: int, kind: str) -> list[str]:
+    """zero_point_exact_match alone: the zero point, not fixed qparams."""
+    actual = facts.zero_point
+    if actual == wanted:
+        return []
+    if actual is None:
+        scheme = "" if facts.qscheme is None else f" (qscheme={facts.qscheme})"
+        return [
+            f"{kind} computes its zero point from the data{scheme}, but the backend requires "
+            f"zero_point_exact_match {wanted}: use a symmetric {kind} (qscheme="
+            "torch.per_tensor_symmetric or torch.per_channel_symmetric"
+            + (", dtype=torch.qint8" if wanted == 0 else "")
+            + ")"
+        ]
+    how = "fixed" if facts.is_fixed_qparams else f"symmetric {facts.dtype}"
+    return [f"{how} zero_point {actual} does not match zero_point_exact_match {wanted}"]
+
+
+def _power_of_two_reasons(facts: ObserverFacts, kind: str) -> list[str]:
+    if facts.is_fixed_qparams:
+        if is_power_of_two(facts.fixed_scale):
+            return []
+        return [
+            f"fixed scale {facts.fixed_scale!r} is not a power of two; the backend requires "
+            "scale_power_of_two"
+        ]
+    if facts.power_of_two_scale:
+        return []
+    return [
+        f"{kind} does not round its scales to powers of two; the backend requires "
+        f"scale_power_of_two (create the {kind} with power_of_two_scale=True, e.g. "
+        "qcore.observers.MinMaxObserver.with_args(power_of_two_scale=True))"
+    ]
 
 
 def _dtype_reason(actual: torch.dtype | None, expected: torch.dtype, note: str = "") -> str:

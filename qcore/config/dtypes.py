@@ -1,6 +1,6 @@
 """What a backend accepts: ObservationType, DTypeWithConstraints, DTypeConfig.
 
-API-compatible with ``torch.ao.quantization.backend_config`` (seed 001), but
+API-compatible with ``torch.ao.quantization.backend_config``, but
 validated on construction: a wrong type or a contradictory bound raises a
 :class:`~qcore.config.errors.ConfigError` naming the field.
 """
@@ -17,7 +17,13 @@ import torch
 
 from qcore.config.errors import invalid
 
-__all__ = ["ObservationType", "DTypeWithConstraints", "DTypeConfig", "value_range"]
+__all__ = [
+    "ObservationType",
+    "DTypeWithConstraints",
+    "DTypeConfig",
+    "is_power_of_two",
+    "value_range",
+]
 
 
 class ObservationType(enum.Enum):
@@ -106,14 +112,26 @@ class DTypeWithConstraints:
     * ``scale_min_lower_bound`` / ``scale_max_upper_bound``: the observer's
       smallest scale (its ``eps``) must not fall below the lower bound; the
       largest must not exceed the upper one.
-    * ``scale_exact_match`` / ``zero_point_exact_match``: fixed qparams, for
-      ops such as sigmoid; the observer must be a fixed-qparams one with these
-      exact values.
+    * ``scale_exact_match`` (with or without ``zero_point_exact_match``): fixed
+      qparams, for ops such as sigmoid; the observer must be a fixed-qparams one
+      with these exact values.
+    * ``zero_point_exact_match`` alone: the zero point every scale comes with,
+      e.g. ``0`` for symmetric int8. A fixed-qparams observer with that zero
+      point meets it, and so does a symmetric one (``qscheme`` per-tensor or
+      per-channel symmetric) whose zero point is that value: 0 for a signed
+      dtype, 128 for quint8 (the middle of a custom range). torch.ao reads the
+      field only together with ``scale_exact_match`` and ignores it alone.
+    * ``scale_power_of_two`` (qcore's own, not in torch.ao): every scale is a
+      power of two (shift-based requantization on NPUs and DSPs). Met by an
+      observer created with ``power_of_two_scale=True`` (qcore's observers round
+      each scale up to the next power of two) or fixed qparams with such a scale.
 
     Example::
 
         >>> DTypeWithConstraints(dtype=torch.quint8, quant_min_lower_bound=0,
         ...                      quant_max_upper_bound=255, scale_min_lower_bound=2**-12)
+        >>> symmetric_int8 = DTypeWithConstraints(dtype=torch.qint8, zero_point_exact_match=0)
+        >>> shift_scales = DTypeWithConstraints(dtype=torch.quint8, scale_power_of_two=True)
     """
 
     dtype: torch.dtype | None = None
@@ -123,12 +141,20 @@ class DTypeWithConstraints:
     scale_max_upper_bound: int | float | None = None
     scale_exact_match: float | None = None
     zero_point_exact_match: int | None = None
+    scale_power_of_two: bool | None = None
 
     def __post_init__(self) -> None:
         owner = "DTypeWithConstraints"
         _check_optional_dtype(f"{owner}.dtype", self.dtype)
         for f in fields(self)[1:]:
-            _check_optional_number(owner, f.name, getattr(self, f.name))
+            if f.name != "scale_power_of_two":
+                _check_optional_number(owner, f.name, getattr(self, f.name))
+        if self.scale_power_of_two is not None and not isinstance(self.scale_power_of_two, bool):
+            raise invalid(
+                f"{owner}.scale_power_of_two", self.scale_power_of_two, "True, False or None"
+            )
+        if self.scale_power_of_two is False:  # no constraint: equal to leaving it unset
+            object.__setattr__(self, "scale_power_of_two", None)
         self._check_quant_values()
         self._check_ordered("quant_min_lower_bound", "quant_max_upper_bound")
         self._check_scales()
@@ -138,6 +164,30 @@ class DTypeWithConstraints:
             "zero_point_exact_match", "quant_min_lower_bound", "quant_max_upper_bound"
         )
         self._check_within("scale_exact_match", "scale_min_lower_bound", "scale_max_upper_bound")
+        self._check_power_of_two()
+
+    def _check_power_of_two(self) -> None:
+        """A fixed scale that is no power of two, or scale bounds no power of two lies
+        within, could never be met."""
+        if not self.scale_power_of_two:
+            return
+        exact = self.scale_exact_match
+        if exact is not None and not is_power_of_two(float(exact)):
+            raise invalid(
+                "DTypeWithConstraints.scale_exact_match",
+                exact,
+                "a power of two (scale_power_of_two=True), such as 2**-7",
+            )
+        low, high = self.scale_min_lower_bound, self.scale_max_upper_bound
+        if low is not None and high is not None and math.isfinite(float(high)):
+            smallest = 2.0 ** math.ceil(math.log2(float(low)))
+            if smallest > float(high):
+                raise invalid(
+                    "DTypeWithConstraints.scale_max_upper_bound",
+                    high,
+                    f"a bound that admits a power of two at or above scale_min_lower_bound={low} "
+                    f"(scale_power_of_two=True; the smallest is {smallest!r})",
+                )
 
     def _check_quant_values(self) -> None:
         """Quant bounds and the fixed zero point are values of the dtype: within its
@@ -199,6 +249,14 @@ class DTypeWithConstraints:
     def has_constraints(self) -> bool:
         """True when any field other than ``dtype`` is set."""
         return any(getattr(self, f.name) is not None for f in fields(self)[1:])
+
+
+def is_power_of_two(scale: float) -> bool:
+    """Whether ``scale`` is exactly 2**k for an integer k (negative k included)."""
+    if not (math.isfinite(scale) and scale > 0):
+        return False
+    mantissa, _ = math.frexp(scale)
+    return mantissa == 0.5
 
 
 def _with_constraints(field_name: str, value: Any) -> DTypeWithConstraints:

@@ -172,6 +172,7 @@ _CONSTRAINT_FIELDS = (
     "scale_max_upper_bound",
     "scale_exact_match",
     "zero_point_exact_match",
+    "scale_power_of_two",
 )
 _DTYPE_KINDS = ("input_dtype", "output_dtype", "weight_dtype")
 
@@ -874,7 +875,11 @@ def _decode_constrained(value: Any, field: str) -> DTypeWithConstraints:
     if value.get("dtype") is not None:
         kwargs["dtype"] = _decode_dtype(value["dtype"], f"{field}.dtype")
     for name in _CONSTRAINT_FIELDS:
-        if value.get(name) is not None:
+        if value.get(name) is None:
+            continue
+        if name == "scale_power_of_two":
+            kwargs[name] = _expect(value[name], bool, f"{field}.{name}", "true or false")
+        else:
             kwargs[name] = _decode_number(value[name], f"{field}.{name}")
     try:
         return DTypeWithConstraints(**kwargs)

@@ -163,6 +163,12 @@ def to_torch_ao_dtype_config(dtype_config: DTypeConfig) -> Any:
     kwargs: dict[str, Any] = {}
     for kind in _DTYPE_KINDS:
         constrained = getattr(dtype_config, f"{kind}_dtype_with_constraints")
+        if constrained.scale_power_of_two:
+            raise ConfigError(
+                f"{kind}_dtype.scale_power_of_two: got True; expected None: torch.ao's "
+                "DTypeWithConstraints has no power-of-two scale constraint, and a torch.ao "
+                "config without it would accept scales the backend cannot run"
+            )
         kwargs[f"{kind}_dtype"] = ao.DTypeWithConstraints(
             **{name: getattr(constrained, name) for name in _CONSTRAINT_FIELDS}
         )

@@ -158,6 +158,12 @@ _ALLOWED_DTYPES = tuple(
 )
 
 
+def _next_power_of_two(scale: torch.Tensor) -> torch.Tensor:
+    """Each scale rounded up to 2**k: the quantized range only widens, so it still
+    covers what was observed (an affine zero point is computed from the new scale)."""
+    return torch.exp2(torch.ceil(torch.log2(scale)))
+
+
 class UniformQuantizationObserverBase(ObserverBase):
     """Observers computing an affine or symmetric (scale, zero_point) from a min and a max."""
 
@@ -174,10 +180,25 @@ class UniformQuantizationObserverBase(ObserverBase):
         factory_kwargs: dict | None = None,
         eps: float = EPS,
         is_dynamic: bool = False,
+        power_of_two_scale: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(dtype=dtype, is_dynamic=is_dynamic, **kwargs)
         factory_kwargs = torch.nn.factory_kwargs(factory_kwargs)
+        if not isinstance(power_of_two_scale, bool):
+            raise ValueError(
+                f"{type(self).__name__}: power_of_two_scale={power_of_two_scale!r}; "
+                "expected True or False"
+            )
+        if power_of_two_scale and qscheme == torch.per_channel_affine_float_qparams:
+            raise ValueError(
+                f"{type(self).__name__}: power_of_two_scale=True with qscheme "
+                f"{qscheme}; expected an affine or symmetric qscheme (float qparams keep "
+                "their scale as computed)"
+            )
+        #: Round every scale up to the next power of two (the zero point follows):
+        #: what a DTypeWithConstraints with ``scale_power_of_two=True`` asks for.
+        self.power_of_two_scale = power_of_two_scale
         if qscheme not in _PER_TENSOR + _PER_CHANNEL:
             raise ValueError(f"{type(self).__name__}: unsupported qscheme {qscheme}")
         if dtype not in _ALLOWED_DTYPES:
@@ -268,8 +289,12 @@ class UniformQuantizationObserverBase(ObserverBase):
             zero_point = -1 * min_val / scale
         else:
             scale = torch.max((max_pos - min_neg) / float(quant_max - quant_min), self.eps)
+            if self.power_of_two_scale:
+                scale = _next_power_of_two(scale)
             zero_point = quant_min - torch.round(min_neg / scale).to(torch.int)
             zero_point = torch.clamp(zero_point, quant_min, quant_max)
+        if self.power_of_two_scale and self.qscheme in _SYMMETRIC:
+            scale = _next_power_of_two(scale)
 
         # 0-d results become 1-element tensors, as FakeQuantize's buffers expect.
         if scale.dim() == 0:
