@@ -65,6 +65,7 @@ _LAZY = {
     "quantize_dynamic": "qcore.api",
     "explain": "qcore.api",
     "compile": "qcore.compiling",
+    "equalize": "qcore.algorithms",
     "CompiledModel": "qcore.compiling",
     "QConfig": "qcore.config.qconfig",
     "QConfigMapping": "qcore.config.qconfig",

@@ -1,0 +1,303 @@
+"""Cross-layer equalization (Nagel et al., "Data-Free Quantization", 2019).
+
+Two weighted layers in a chain, ``y = W2 · relu(W1 · x + b1) + b2``, compute the
+same function when output channel ``c`` of the first is divided by ``s_c > 0``
+and input channel ``c`` of the second multiplied by it (ReLU commutes with a
+positive scale). Choosing ``s_c = sqrt(r1_c / r2_c)``, with ``r`` each channel's
+largest absolute weight, gives both channels the range ``sqrt(r1_c * r2_c)``:
+per-tensor weight quantization wastes no levels on one dominant channel, and the
+activation between the layers has channels of similar range, which helps its
+per-tensor quantization most (depthwise convolutions, MobileNet-style nets).
+
+Runs on a prepared model, FX or PT2E, before calibration: it rescales weights
+only, so observers see the equalized activations and no QConfig or backend
+constraint is touched. Equalized: conv -> conv (a depthwise conv on either side),
+conv -> linear and linear -> linear, with nothing between them but ReLU (or, when
+asked, ReLU6, replaced by ReLU as AIMET does: that changes the float function
+where activations exceed 6).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from qcore.config.errors import describe
+
+__all__ = ["EqualizedPair", "equalize", "equalized_pairs"]
+
+aten = torch.ops.aten
+
+_WEIGHTED_MODULES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear)
+_WEIGHTED_FUNCTIONS = {
+    aten.conv1d.default: "conv",
+    aten.conv2d.default: "conv",
+    aten.conv3d.default: "conv",
+    aten.linear.default: "linear",
+}
+_RELU = {torch.relu, torch.nn.functional.relu, aten.relu.default, aten.relu_.default, "relu"}
+_RELU6 = {torch.nn.functional.relu6, aten.relu6.default, aten.hardtanh.default}
+
+
+@dataclass(frozen=True)
+class EqualizedPair:
+    """Two layers equalized: the first's output channels scaled down, the second's
+    input channels up. ``largest_before``/``largest_after``: the largest ratio of a
+    channel's weight range to the smallest one's, in the first layer."""
+
+    first: str
+    second: str
+    largest_before: float
+    largest_after: float
+
+
+@dataclass
+class _Layer:
+    """A weighted op's tensors, wherever the graph keeps them."""
+
+    name: str
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    groups: int
+    is_linear: bool
+
+
+def _weighted_module(module: torch.nn.Module) -> torch.nn.Module | None:
+    if isinstance(module, _WEIGHTED_MODULES):
+        return module
+    # fused modules (ConvReLU2d, LinearReLU): the weighted op is their child "0"
+    if (
+        isinstance(module, torch.nn.Sequential)
+        and len(module)
+        and isinstance(module[0], _WEIGHTED_MODULES)
+    ):
+        if all(isinstance(m, torch.nn.ReLU) for m in list(module)[1:]):
+            return module[0]
+    return None
+
+
+def _is_observer(gm: GraphModule, node: Node) -> bool:
+    if node.op != "call_module":
+        return False
+    module = gm.get_submodule(node.target)
+    return hasattr(module, "calculate_qparams") or type(module).__name__.endswith("Observer")
+
+
+def _get_attr(gm: GraphModule, node: Any) -> torch.Tensor | None:
+    """The tensor a (possibly observed) get_attr node reads, or None."""
+    while isinstance(node, Node) and _is_observer(gm, node):
+        node = node.args[0]
+    if not isinstance(node, Node) or node.op != "get_attr":
+        return None
+    value: Any = gm
+    for part in node.target.split("."):
+        value = getattr(value, part)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _layer(gm: GraphModule, node: Node) -> _Layer | None:
+    if node.op == "call_module":
+        module = _weighted_module(gm.get_submodule(node.target))
+        if module is None or module.weight is None:
+            return None
+        groups, is_linear = getattr(module, "groups", 1), isinstance(module, torch.nn.Linear)
+        return _Layer(node.name, module.weight, module.bias, groups, is_linear)
+    kind = _WEIGHTED_FUNCTIONS.get(node.target) if node.op == "call_function" else None
+    if kind is None or len(node.args) < 2:
+        return None
+    weight = _get_attr(gm, node.args[1])
+    bias_arg = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    bias = _get_attr(gm, bias_arg) if bias_arg is not None else None
+    if weight is None or (bias_arg is not None and bias is None):
+        return None
+    groups = 1
+    if kind == "conv":
+        groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
+    return _Layer(node.name, weight, bias, int(groups), kind == "linear")
+
+
+def _passes_through(gm: GraphModule, node: Node, relu6_to_relu: bool) -> str | None:
+    """ "observer", "relu", "relu6" for a node a chain may cross, else None."""
+    if _is_observer(gm, node):
+        return "observer"
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if isinstance(module, torch.nn.ReLU):
+            return "relu"
+        if isinstance(module, torch.nn.ReLU6) and relu6_to_relu:
+            return "relu6"
+        return None
+    if node.op in ("call_function", "call_method") and node.target in _RELU:
+        return "relu"
+    if node.op == "call_function" and node.target in _RELU6 and relu6_to_relu:
+        if node.target is aten.hardtanh.default and tuple(node.args[1:3]) != (0.0, 6.0):
+            return None
+        return "relu6"
+    return None
+
+
+def _next_layer(gm: GraphModule, node: Node, relu6_to_relu: bool) -> tuple[Node, list[Node]] | None:
+    """The weighted op ``node``'s output reaches alone, and the ReLU6s on the way."""
+    relu6s: list[Node] = []
+    current = node
+    while True:
+        users = list(current.users)
+        if len(users) != 1:
+            return None
+        (user,) = users
+        if _layer(gm, user) is not None:
+            return (user, relu6s) if user.args and user.args[0] is current else None
+        kind = _passes_through(gm, user, relu6_to_relu)
+        if kind is None or user.args[0] is not current:
+            return None
+        if kind == "relu6":
+            relu6s.append(user)
+        current = user
+
+
+def _output_ranges(layer: _Layer) -> torch.Tensor:
+    return layer.weight.detach().abs().flatten(1).amax(1)
+
+
+def _input_ranges(layer: _Layer, channels: int) -> torch.Tensor | None:
+    """Per input channel of ``layer``: its largest absolute weight."""
+    weight = layer.weight.detach().abs()
+    if layer.is_linear or layer.groups == 1:
+        if weight.shape[1] != channels:
+            return None
+        return weight.transpose(0, 1).flatten(1).amax(1)
+    if layer.groups == channels and weight.shape[0] == channels:  # depthwise
+        return weight.flatten(1).amax(1)
+    return None
+
+
+def _scale_input_channels(layer: _Layer, scale: torch.Tensor) -> None:
+    weight = layer.weight.data
+    shape = [1] * weight.dim()
+    if layer.is_linear or layer.groups == 1:
+        shape[1] = -1
+    else:  # depthwise: input channel c is output channel c
+        shape[0] = -1
+    weight.mul_(scale.reshape(shape))
+
+
+def _spread(ranges: torch.Tensor) -> float:
+    positive = ranges[ranges > 0]
+    return float(positive.max() / positive.min()) if positive.numel() else 1.0
+
+
+def _equalize_pair(first: _Layer, second: _Layer) -> EqualizedPair | None:
+    r1 = _output_ranges(first)
+    r2 = _input_ranges(second, r1.numel())
+    if r2 is None:
+        return None
+    before = _spread(r1)
+    usable = (r1 > 0) & (r2 > 0)
+    scale = torch.ones_like(r1)
+    scale[usable] = torch.sqrt(r1[usable] / r2[usable])
+    shape = [-1] + [1] * (first.weight.dim() - 1)
+    first.weight.data.div_(scale.reshape(shape))
+    if first.bias is not None:
+        first.bias.data.div_(scale)
+    _scale_input_channels(second, scale)
+    return EqualizedPair(first.name, second.name, before, _spread(_output_ranges(first)))
+
+
+def _check_uncalibrated(gm: GraphModule) -> None:
+    for name, module in gm.named_modules():
+        min_val = getattr(module, "min_val", None)
+        if isinstance(min_val, torch.Tensor) and min_val.numel() and torch.isfinite(min_val).any():
+            raise ValueError(
+                f"model: observer {name!r} has already seen data; equalize rescales the "
+                "activations it observes: call qcore.equalize on the prepared model before "
+                "calibration"
+            )
+
+
+def _replace_relu6(gm: GraphModule, nodes: list[Node]) -> None:
+    for node in nodes:
+        if node.op == "call_module":
+            parent, _, attr = node.target.rpartition(".")
+            setattr(gm.get_submodule(parent) if parent else gm, attr, torch.nn.ReLU())
+        elif node.op == "call_function" and node.target in _RELU6:
+            node.target, node.args, node.kwargs = aten.relu.default, (node.args[0],), {}
+        else:
+            node.target, node.args, node.kwargs = torch.relu, (node.args[0],), {}
+    gm.recompile()
+
+
+def equalize(
+    prepared: GraphModule, *, iterations: int = 4, relu6_to_relu: bool = False
+) -> GraphModule:
+    """Cross-layer equalization of a prepared model (FX or PT2E), before calibration.
+
+    Returns a copy whose weighted layer pairs are equalized (the model passed in is
+    not changed); ``qcore.algorithms.equalized_pairs(model)`` lists them. Chains of
+    more than two layers are equalized pair by pair, ``iterations`` times over (the
+    scales converge in a few). ``relu6_to_relu=True`` also equalizes across ReLU6,
+    which it replaces by ReLU (the float function changes where activations exceed 6).
+
+    Example::
+
+        >>> prepared = qcore.prepare_fx(model, None, example_inputs, backend="qnnpack")
+        >>> prepared = qcore.equalize(prepared)
+        >>> for batch in calibration_data:
+        ...     prepared(*batch)
+        >>> quantized = qcore.convert_fx(prepared)
+    """
+    if not isinstance(prepared, GraphModule):
+        raise TypeError(
+            f"prepared: got {describe(prepared)}; expected a model from qcore.prepare_fx or "
+            "qcore.prepare_pt2e"
+        )
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ValueError(f"iterations: got {describe(iterations)}; expected an int >= 1")
+    if not isinstance(relu6_to_relu, bool):
+        raise TypeError(f"relu6_to_relu: got {describe(relu6_to_relu)}; expected True or False")
+    _check_uncalibrated(prepared)
+    gm = copy.deepcopy(prepared)
+    layers = {node: _layer(gm, node) for node in gm.graph.nodes}
+    layers = {node: layer for node, layer in layers.items() if layer is not None}
+    # A weight two ops read (a module called twice) cannot be rescaled for one of them.
+    readers: dict[int, int] = {}
+    for layer in layers.values():
+        readers[id(layer.weight)] = readers.get(id(layer.weight), 0) + 1
+    chains: list[tuple[Node, Node, list[Node]]] = []
+    for node, layer in layers.items():
+        found = _next_layer(gm, node, relu6_to_relu)
+        if found is None:
+            continue
+        second = layers[found[0]]
+        if readers[id(layer.weight)] == 1 and readers[id(second.weight)] == 1:
+            chains.append((node, found[0], found[1]))
+    results: dict[tuple[str, str], EqualizedPair] = {}
+    crossed: list[Node] = []
+    with torch.no_grad():
+        for _ in range(iterations):
+            for first_node, second_node, relu6s in chains:
+                done = _equalize_pair(layers[first_node], layers[second_node])
+                if done is None:
+                    continue
+                key = (done.first, done.second)
+                if key not in results:
+                    crossed.extend(relu6s)
+                    results[key] = done
+                else:
+                    results[key] = EqualizedPair(
+                        done.first, done.second, results[key].largest_before, done.largest_after
+                    )
+    _replace_relu6(gm, crossed)
+    gm.meta[_PAIRS_KEY] = tuple(results.values())
+    return gm
+
+
+_PAIRS_KEY = "qcore_equalized_pairs"
+
+
+def equalized_pairs(model: GraphModule) -> tuple[EqualizedPair, ...]:
+    """The pairs :func:`equalize` rescaled in ``model`` (empty if none)."""
+    return tuple(getattr(model, "meta", {}).get(_PAIRS_KEY, ()))
