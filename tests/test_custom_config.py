@@ -277,5 +277,23 @@ def test_unknown_custom_config_key_is_refused():
 def test_changing_qconfigs_at_convert_is_refused():
     model, x = TwoLinears().eval(), torch.randn(8, 4)
     prepared = _calibrated(qcore.prepare_fx(model, default_qconfig_mapping(), (x,), "fbgemm"), x)
+    changed = copy.deepcopy(default_qconfig_mapping()).set_module_name("second", None)
     with pytest.raises(UnsupportedSetting, match="(?s)qconfig_mapping: .*changing QConfigs"):
-        qcore.convert_fx(prepared, qconfig_mapping=copy.deepcopy(default_qconfig_mapping()))
+        qcore.convert_fx(prepared, qconfig_mapping=changed)
+
+
+def test_convert_takes_the_prepare_mapping_again():
+    """torch.ao's QAT examples pass the prepare mapping to convert_fx again (a no-op
+    there); qcore refused any mapping at convert. An equal one (a copy, torch.ao's
+    dict form of the same QConfigs) now converts as without it."""
+    model, x = TwoLinears().eval(), torch.randn(8, 4)
+    qconfig = torch.ao.quantization.get_default_qconfig("fbgemm")
+    prepared = _calibrated(qcore.prepare_fx(model, {"": qconfig}, (x,), "fbgemm"), x)
+    expected = qcore.convert_fx(prepared)(x)
+    again = {"": torch.ao.quantization.get_default_qconfig("fbgemm")}  # new QConfig objects
+    assert torch.equal(qcore.convert_fx(prepared, qconfig_mapping=again)(x), expected)
+    copied = copy.deepcopy(again)
+    assert torch.equal(qcore.convert_fx(prepared, qconfig_mapping=copied)(x), expected)
+    other = {"": torch.ao.quantization.get_default_qconfig("qnnpack")}
+    with pytest.raises(UnsupportedSetting, match="changing QConfigs"):
+        qcore.convert_fx(prepared, qconfig_mapping=other)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from backends import backend_params, installed
 from torch import nn
 from torch.ao.quantization import default_qconfig
@@ -221,3 +222,80 @@ def test_fuse_fx_default_fusions_are_torch_ao_native_ones():
     ours = {str(config.pattern) for config in standard_fusion_config().configs}
     native = get_native_backend_config().configs
     assert ours == {str(c.pattern) for c in native if c.fuser_method is not None}
+
+
+def _legacy_fp16_config():
+    import torch.ao.quantization.backend_config.utils  # noqa: F401  (native's import needs it)
+    from torch.ao.quantization.backend_config.native import (
+        get_test_only_legacy_native_backend_config,
+    )
+
+    return get_test_only_legacy_native_backend_config()
+
+
+class FunctionalLinearFp16(nn.Module):
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.randn(64, 30)
+        self.b = torch.randn(64) / 3 if bias else None
+
+    def forward(self, x):
+        return torch.relu(F.linear(x, self.w, self.b))
+
+
+def _fp16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float16).to(torch.float32)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("convert", [qcore.convert_fx, qcore.convert_to_reference_fx])
+def test_static_float16_linear_rounds_its_bias_and_stays_functional(bias, convert):
+    """torch.ao rounds F.linear's bias to float16 with its weight and input (float16
+    static QConfig, a dtype config with bias_dtype float16); qcore left the bias in
+    float32. And a static float16 F.linear has no kernel: it stays F.linear on the
+    rounded weight (it became a module)."""
+    from torch.ao.quantization import float16_static_qconfig
+
+    model, x = FunctionalLinearFp16(bias).eval(), torch.randn(16, 30)
+    config = _legacy_fp16_config()
+    prepared = qcore.prepare_fx(model, {"": float16_static_qconfig}, (x,), backend_config=config)
+    placeholders = [m for m in prepared.modules() if type(m).__name__ == "PlaceholderObserver"]
+    assert len(placeholders) == 3 + bias  # input, weight, bias, output
+    prepared(x)
+    converted = convert(prepared)
+    expected = _fp16(torch.relu(F.linear(_fp16(x), _fp16(model.w), _fp16_or_none(model.b))))
+    assert torch.equal(converted(x), expected)
+    assert _calls(converted, "call_function", F.linear) == 1
+
+
+def _fp16_or_none(t):
+    return None if t is None else _fp16(t)
+
+
+class ReshapePoolFp16(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = nn.MaxPool2d(2)
+
+    def forward(self, x):
+        return self.pool(x.reshape(2, 3, 8, 8)).flatten(1)
+
+
+def test_float16_values_stay_float16_through_ops_that_select_them():
+    """`to(float16) -> dequantize -> reshape -> to(float16) -> dequantize` is one
+    rounding: the lowered model runs such ops on the float16 tensor, as torch.ao's
+    lowering does, with the reference form's numbers."""
+    from torch.ao.quantization import float16_static_qconfig
+
+    model, x = ReshapePoolFp16().eval(), torch.randn(2, 192)
+    config = _legacy_fp16_config()
+    prepared = qcore.prepare_fx(model, {"": float16_static_qconfig}, (x,), backend_config=config)
+    prepared(x)
+    lowered, reference = qcore.convert_fx(prepared), qcore.convert_to_reference_fx(prepared)
+    assert _calls(lowered, "call_method", "to") == 1
+    assert _calls(lowered, "call_method", "dequantize") == 1
+    assert _calls(reference, "call_method", "to") == 3  # the input, reshape and pool outputs
+    assert torch.equal(lowered(x), reference(x))
+    assert torch.equal(lowered(x), _fp16(model(_fp16(x))))
+    assert lowered.graph.find_nodes(op="call_module", target="pool")[0].args[0].target == "reshape"

@@ -24,6 +24,7 @@ from qcore.engine.custom_config import UnsupportedSetting
 from qcore.engine.explain import Entry, Status, op_name
 from qcore.engine.match import Match, find_matches, node_op
 from qcore.engine.qconfigs import pattern_qconfig
+from qcore.observers import PlaceholderObserver
 from qcore.ops import storage_dtype
 from qcore.quantizer.spec import (
     DerivedQuantizationSpec,
@@ -401,6 +402,36 @@ class ShiftedQParams:
         return scale, zero_point.to(torch.int64)
 
 
+# A bias rounded to float16, with torch.ao's observer class for torch.ao's QConfigs
+# (module constants: specs are cached by constructor identity).
+_AO_FLOAT16_BIAS = torch.ao.quantization.observer.PlaceholderObserver.with_args(
+    dtype=torch.float16
+)
+_FLOAT16_BIAS = PlaceholderObserver.with_args(dtype=torch.float16)
+
+
+def _float16_bias_spec(
+    act_spec: QuantizationSpec | None,
+    qconfig: Any,
+    dtype_config: DTypeConfig,
+    cache: dict[int, QuantizationSpec],
+) -> QuantizationSpec | None:
+    """The spec of a bias argument (F.linear's, F.conv's), or None to leave it float.
+
+    torch.ao FX rounds the bias to float16 where the op's activation and weight are
+    static float16 (its prepare's ``bias_obs_or_fq_ctr``); qcore does so where the
+    accepted DTypeConfig also says ``bias_dtype=torch.float16``. Every other bias
+    stays float: int8 kernels quantize it themselves."""
+    if act_spec is None or act_spec.dtype != torch.float16 or act_spec.is_dynamic:
+        return None
+    if dtype_config.bias_dtype != torch.float16 or qconfig.weight is None:
+        return None
+    if spec_from_ctr(qconfig.weight, cache).dtype != torch.float16:
+        return None
+    from_torch_ao = type(qconfig.weight()).__module__.startswith("torch.ao.")
+    return spec_from_ctr(_AO_FLOAT16_BIAS if from_torch_ao else _FLOAT16_BIAS, cache)
+
+
 def _annotate(
     match: Match,
     qconfig: Any,
@@ -430,6 +461,9 @@ def _annotate(
             if arg in members or arg not in tensor_nodes:
                 continue
             if node is match.root and index == bias_index:
+                bias_spec = _float16_bias_spec(act_spec, qconfig, dtype_config, cache)
+                if bias_spec is not None:
+                    annotation.input_qspec_map[arg] = bias_spec
                 continue
             if node is match.root and index == weight_index:
                 if is_quantized_dtype(dtype_config.weight_dtype) and qconfig.weight is not None:

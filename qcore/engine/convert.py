@@ -9,6 +9,7 @@ Lowering to kernels is a separate pass (``qcore.engine.lower``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import torch
@@ -113,6 +114,11 @@ def _functional_linears_to_modules(gm: GraphModule, state: PreparedState) -> Non
         bias = _constant_of(gm, bias_node)
         if observer is None or weight is None or weight.dim() != 2:
             continue
+        input_observer = modules.get(getattr(x, "target", None))
+        if getattr(observer, "dtype", None) == torch.float16 and not getattr(
+            input_observer, "is_dynamic", False
+        ):
+            continue  # static float16: torch has no such kernel; F.linear as torch.ao keeps it
         if bias_node is not None and bias is None:
             continue
         linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
@@ -153,8 +159,9 @@ def _replace_observer(gm: GraphModule, node: Node, observer: Any, full_range: bo
         if type(observer).__name__ == "ReuseInputObserver":
             pass  # torch.ao's marker for ops that keep their input's quantization
         elif dtype == torch.float16:
+            # torch.ao's pair: a float16 tensor's dequantize() is its float32 copy
             half = graph.call_method("to", (source, torch.float16))
-            replacement = graph.call_method("to", (half, torch.float32))
+            replacement = graph.call_method("dequantize", (half,))
         elif is_quantized_dtype(dtype) and getattr(observer, "is_dynamic", False):
             replacement = graph.call_function(
                 ops.fake_quantize_dynamic, (source, observer.quant_min, observer.quant_max, dtype)
@@ -218,7 +225,8 @@ def convert_to_reference(prepared: GraphModule, *, full_range: bool = True) -> G
             )
         entries.append(entry)
     attach_report(gm, Report(report.backend, _with_inserted(entries, gm)))
-    gm.meta[STATE_KEY] = state
+    # the user's QConfigs were for convert's check only: a converted model holds none
+    gm.meta[STATE_KEY] = dataclasses.replace(state, qconfig_mapping=None)
     return gm
 
 

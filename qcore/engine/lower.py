@@ -510,6 +510,7 @@ def lower(
     quiet_quantized_tensors()
     lowering = _Lowering(gm, kernels, backend, observed_ranges)
     lowering.run()
+    _select_on_float16(gm)
     lowering.read_shapes_from_int8()
     gm.graph.eliminate_dead_code()
     lowering.qparams_to_buffers()
@@ -528,6 +529,50 @@ def lower(
     # tracer needs prepare-time arguments, torch.fx's plain one does not.
     gm._tracer_cls = None
     return gm
+
+
+def _is_method(node: Any, name: str) -> bool:
+    return isinstance(node, Node) and node.op == "call_method" and node.target == name
+
+
+def _is_to_float16(node: Any) -> bool:
+    return _is_method(node, "to") and len(node.args) == 2 and node.args[1] == torch.float16
+
+
+def _selects_values(node: Node, modules: dict) -> bool:
+    from qcore.kernels.shape import SELECTING_PATTERNS
+
+    if node.op == "call_module":
+        return type(modules.get(node.target)) in SELECTING_PATTERNS
+    return node.op in ("call_function", "call_method") and node.target in SELECTING_PATTERNS
+
+
+def _select_on_float16(gm: GraphModule) -> None:
+    """``to(float16) -> dequantize -> op -> to(float16) -> dequantize`` becomes
+    ``to(float16) -> op -> dequantize`` for ops that only select or move values
+    (reshape, max pooling, ...; ``qcore.kernels.shape.SELECTING_PATTERNS``): on values
+    already float16 their float32 result rounds to itself, so the numbers are the
+    same and the tensor stays float16 between such ops, as torch.ao's lowering does."""
+    modules = dict(gm.named_modules())
+    halves: set[Node] = set()  # ops rewritten to run on float16
+    for node in list(gm.graph.nodes):
+        if not node.args or not _selects_values(node, modules):
+            continue
+        dequantized = node.args[0]
+        if not _is_method(dequantized, "dequantize"):
+            continue
+        if not (_is_to_float16(dequantized.args[0]) or dequantized.args[0] in halves):
+            continue
+        others = [arg for arg in node.all_input_nodes if arg is not dequantized]
+        if others or len(node.users) != 1:
+            continue
+        (half,) = node.users
+        if not _is_to_float16(half) or half.args[0] is not node:
+            continue
+        node.replace_input_with(dequantized, dequantized.args[0])
+        half.replace_all_uses_with(node)
+        gm.graph.erase_node(half)
+        halves.add(node)
 
 
 def _update_report(gm: GraphModule, lowering: _Lowering) -> None:

@@ -75,6 +75,8 @@ class PreparedState:
     quantized_inputs: tuple[int, ...] = ()
     quantized_outputs: tuple[int, ...] = ()
     """Graph inputs and outputs that are torch quantized tensors once converted."""
+    qconfig_mapping: Any = None
+    """The mapping prepare assigned QConfigs from (convert accepts the same one again)."""
 
 
 def _tensor_nodes(gm: GraphModule, example_inputs: tuple | None) -> set[Node]:
@@ -208,6 +210,7 @@ def prepare(
         custom_calls=tuple(custom_calls.values()),
         quantized_inputs=custom_config.input_quantized_indexes,
         quantized_outputs=custom_config.output_quantized_indexes,
+        qconfig_mapping=qconfig_mapping,
     )
     gm.meta[STATE_KEY] = state
     report = Report(backend_name, [entries[n.name] for n in gm.graph.nodes])

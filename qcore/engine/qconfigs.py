@@ -19,7 +19,13 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-__all__ = ["assign_qconfigs", "node_scope", "pattern_qconfig", "qconfig_equals"]
+__all__ = [
+    "assign_qconfigs",
+    "node_scope",
+    "pattern_qconfig",
+    "qconfig_equals",
+    "qconfig_mappings_equal",
+]
 
 
 def node_scope(node: Node, root_type: type) -> tuple[str, type]:
@@ -93,6 +99,28 @@ def _ctr_key(ctr: Any) -> Any:
     func = getattr(inner, "func", inner)
     keywords = getattr(inner, "keywords", {}) or {}
     return (func, tuple(sorted((k, repr(v)) for k, v in keywords.items())))
+
+
+_MAPPING_STYLES = (
+    "object_type_qconfigs",
+    "module_name_regex_qconfigs",
+    "module_name_qconfigs",
+    "module_name_object_type_order_qconfigs",
+)
+
+
+def qconfig_mappings_equal(a: Any, b: Any) -> bool:
+    """Whether two QConfigMappings (qcore's or torch.ao's) give every node the same
+    QConfig: the same entries in each style, each QConfig :func:`qconfig_equals`."""
+    if not qconfig_equals(a.global_qconfig, b.global_qconfig):
+        return False
+    for style in _MAPPING_STYLES:
+        left, right = getattr(a, style), getattr(b, style)
+        if list(left) != list(right):  # the regexes' order is their precedence
+            return False
+        if not all(qconfig_equals(left[key], right[key]) for key in left):
+            return False
+    return True
 
 
 def qconfig_equals(a: Any, b: Any) -> bool:
