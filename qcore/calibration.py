@@ -56,14 +56,11 @@ class _Forward:
         kinds = {param.kind for param in params}
         self.varargs = self.signature is None or inspect.Parameter.VAR_POSITIONAL in kinds
         self.positional = sum(param.kind in _POSITIONAL for param in params)
+        # None: any name binds (forward takes **kwargs), or the call decides
         self.keywords = (
             None
-            if inspect.Parameter.VAR_KEYWORD in kinds or not params
-            else {
-                param.name
-                for param in params
-                if param.kind is not inspect.Parameter.POSITIONAL_ONLY
-            }
+            if self.signature is None or inspect.Parameter.VAR_KEYWORD in kinds
+            else {p.name for p in params if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
         )
 
     def describe(self) -> str:
