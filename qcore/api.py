@@ -397,6 +397,7 @@ def quantize(
     qconfig_mapping: Any = None,
     *,
     input_fn: Callable[[Any], Any] | None = None,
+    keep_float_if_slower: bool = False,
 ) -> GraphModule:
     """Post-training quantization in one call: prepare, calibrate, convert.
 
@@ -414,6 +415,11 @@ def quantize(
     A batch that does not fit ``model.forward`` is a TypeError naming its index,
     what it holds and forward's signature, raised before the model runs on it.
 
+    ``keep_float_if_slower=True`` measures, on ``example_inputs``, the converted
+    model against the same with each conv/linear in turn kept float, and returns
+    the fastest (``qcore.latency``); ``qcore.explain`` gives each layer kept float
+    with both timings. It converts once per conv/linear: opt-in, for deployment.
+
     Example::
 
         >>> loader = torch.utils.data.DataLoader(dataset, batch_size=8)  # yields [x, y]
@@ -423,11 +429,39 @@ def quantize(
     """
     from qcore.calibration import calibration_calls
 
-    prepared = prepare_fx(model, qconfig_mapping, example_inputs, backend)
-    with torch.no_grad():
-        for args, kwargs in calibration_calls(model, calibration_data, input_fn):
-            prepared(*args, **kwargs)
-    return convert_fx(prepared)
+    if not isinstance(keep_float_if_slower, bool):
+        raise TypeError(
+            f"keep_float_if_slower: got {describe(keep_float_if_slower)}; expected True or False"
+        )
+    if keep_float_if_slower:
+        calibration_data = list(calibration_data)  # iterated once per candidate
+
+    def build(mapping: Any) -> GraphModule:
+        prepared = prepare_fx(model, mapping, example_inputs, backend)
+        with torch.no_grad():
+            for args, kwargs in calibration_calls(model, calibration_data, input_fn):
+                prepared(*args, **kwargs)
+        return convert_fx(prepared)
+
+    converted = build(qconfig_mapping)
+    if not keep_float_if_slower:
+        return converted
+    from qcore import latency
+
+    base = _check_mapping(qconfig_mapping, resolve_backend(backend)[3], False)
+
+    def build_keeping_float(names: frozenset[str]) -> GraphModule:
+        if not names:
+            return converted
+        mapping = as_qconfig_mapping(base).copy()
+        for name in sorted(names):
+            mapping.set_module_name(name, None)
+        return build(mapping)
+
+    inputs = _check_inputs(example_inputs)
+    return latency.keep_faster(
+        build_keeping_float, latency.weighted_layers(converted), latency.measure_latency(inputs)
+    )
 
 
 #: What ``quantize_dynamic`` quantizes by default: torch.ao's set, and F.linear.

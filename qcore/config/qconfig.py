@@ -103,6 +103,14 @@ class QConfigMapping:
         self.module_name_qconfigs: OrderedDict[str, Any] = OrderedDict()
         self.module_name_object_type_order_qconfigs: OrderedDict[tuple, Any] = OrderedDict()
 
+    def copy(self) -> QConfigMapping:
+        """A new mapping with the same entries (the QConfigs themselves shared)."""
+        result = QConfigMapping()
+        result.global_qconfig = self.global_qconfig
+        for style in _STYLES[1:]:
+            getattr(result, style).update(getattr(self, style))
+        return result
+
     def set_global(self, global_qconfig: Any) -> QConfigMapping:
         """The QConfig of everything no other entry covers."""
         self.global_qconfig = _check(global_qconfig, "set_global")

@@ -1,0 +1,132 @@
+"""Keep a layer float where its int8 form is measured slower.
+
+``qcore.quantize(..., keep_float_if_slower=True)`` runs this module.
+
+int8 kernels carry fixed costs (quantizing activations, requantizing outputs,
+packing) that small layers do not earn back: on a CPU without VNNI a 64-wide
+linear at batch 16 runs about 2x slower in int8 than in float. No table predicts
+that across machines, so qcore measures: the converted model, then the model with
+each weighted layer in turn kept float (its QConfig set to None, the rest
+recalibrated), keeping each choice that makes the whole model faster, and last
+the model with every such layer float. Each candidate is timed on the example
+inputs, best of several runs; a choice must gain more than ``margin`` to count,
+so noise alone keeps int8. Explain gives each kept layer the two timings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.fx import GraphModule
+
+from qcore.engine.explain import Entry, Report, Status, attach_report, report_of
+
+__all__ = ["LatencyChoice", "keep_faster", "measure_latency"]
+
+Build = Callable[[frozenset[str]], GraphModule]
+Measure = Callable[[torch.nn.Module], float]
+
+
+@dataclass(frozen=True)
+class LatencyChoice:
+    """A layer kept float: the model's measured latency with it int8 and float."""
+
+    module: str
+    int8_seconds: float
+    float_seconds: float
+
+    def reason(self) -> str:
+        int8_us, float_us = self.int8_seconds * 1e6, self.float_seconds * 1e6
+        return (
+            f"kept float (keep_float_if_slower): the model measured {int8_us:.0f} us with it "
+            f"int8, {float_us:.0f} us float"
+        )
+
+
+def measure_latency(example_inputs: tuple, *, runs: int = 5, min_seconds: float = 0.02) -> Measure:
+    """A timer: best of ``runs`` runs, each at least ``min_seconds`` of calls."""
+
+    def measure(model: torch.nn.Module) -> float:
+        with torch.no_grad():
+            model(*example_inputs)  # warm: packing, allocator
+            start, calls = time.perf_counter(), 0
+            while time.perf_counter() - start < min_seconds:
+                model(*example_inputs)
+                calls += 1
+            best = (time.perf_counter() - start) / calls
+            for _ in range(runs - 1):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    model(*example_inputs)
+                best = min(best, (time.perf_counter() - start) / calls)
+        return best
+
+    return measure
+
+
+def weighted_layers(converted: GraphModule) -> list[str]:
+    """Module names of the converted model's quantized conv/linear kernels, in order."""
+    report = report_of(converted)
+    quantized = {entry.node for entry in report.quantized} if report is not None else set()
+    names = []
+    for node in converted.graph.nodes:
+        if node.op == "call_module" and node.name in quantized:
+            if hasattr(converted.get_submodule(node.target), "_packed"):
+                names.append(node.target)
+    return names
+
+
+def keep_faster(
+    build: Build,
+    candidates: Sequence[str],
+    measure: Measure,
+    *,
+    margin: float = 0.05,
+) -> GraphModule:
+    """The fastest model ``build`` gives, over which of ``candidates`` are kept float.
+
+    ``build(kept_float)`` returns the converted model with those modules' QConfigs
+    set to None. Greedy: each candidate in order is kept float if that makes the
+    model faster by more than ``margin``; then every candidate float is tried too.
+    The result's explain names each layer kept float with both timings.
+    """
+    kept: frozenset[str] = frozenset()
+    best = build(kept)
+    best_seconds = measure(best)
+    choices: dict[str, LatencyChoice] = {}
+    for name in candidates:
+        trial = build(kept | {name})
+        seconds = measure(trial)
+        if seconds < best_seconds * (1 - margin):
+            choices[name] = LatencyChoice(name, best_seconds, seconds)
+            kept, best, best_seconds = kept | {name}, trial, seconds
+    remaining = [name for name in candidates if name not in kept]
+    if remaining:
+        all_float = build(frozenset(candidates))
+        seconds = measure(all_float)
+        if seconds < best_seconds * (1 - margin):
+            choices = {name: LatencyChoice(name, best_seconds, seconds) for name in candidates}
+            best, best_seconds = all_float, seconds
+    return _explained(best, choices)
+
+
+def _explained(model: GraphModule, choices: dict[str, LatencyChoice]) -> GraphModule:
+    report = report_of(model)
+    if report is None or not choices:
+        return model
+    by_node = {
+        node.name: choices[node.target]
+        for node in model.graph.nodes
+        if node.op == "call_module" and node.target in choices
+    }
+    entries = [
+        Entry(e.node, e.op, Status.FLOAT, by_node[e.node].reason(), e.pattern)
+        if e.node in by_node
+        else e
+        for e in report.entries
+    ]
+    attach_report(model, Report(report.backend, entries))
+    return model

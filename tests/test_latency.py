@@ -1,0 +1,133 @@
+"""Keep a layer float where int8 is measured slower (issue 15 §3).
+
+The timings are injected: each test's clock charges what the test says a layer
+costs in int8 or in float, so the decisions are checked without timing anything.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backends import installed
+
+import qcore
+from qcore import latency
+from qcore.engine.explain import Status
+
+
+class Chain(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.small = torch.nn.Linear(8, 8)
+        self.big = torch.nn.Linear(8, 256)
+        self.head = torch.nn.Linear(256, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.big(torch.relu(self.small(x)))))
+
+
+def _backend() -> str:
+    for name in ("fbgemm", "x86", "qnnpack"):
+        if installed(name):
+            return name
+    pytest.skip("needs a first-party backend")
+
+
+def _clock(int8_cost: dict[str, float], float_cost: dict[str, float]):
+    """A measure that charges each weighted layer by whether it runs a kernel."""
+
+    def measure(model: torch.nn.Module) -> float:
+        report = qcore.explain(model)
+        total = 0.0
+        for entry in report.ops:
+            name = entry.node
+            if name in int8_cost:
+                total += int8_cost[name] if entry.status is Status.QUANTIZED else float_cost[name]
+        return total
+
+    return measure
+
+
+def _build(model, backend, data):
+    def build(names):
+        mapping = qcore.get_default_qconfig_mapping(backend)
+        for name in names:
+            mapping.set_module_name(name, None)
+        prepared = qcore.prepare_fx(model, mapping, data[0], backend=backend)
+        for batch in data:
+            prepared(*batch)
+        return qcore.convert_fx(prepared)
+
+    return build
+
+
+def test_the_layer_measured_slower_in_int8_is_kept_float_and_explained():
+    backend, model = _backend(), Chain().eval()
+    data = [(torch.randn(16, 8),) for _ in range(4)]
+    build = _build(model, backend, data)
+    converted = build(frozenset())
+    assert latency.weighted_layers(converted) == ["small", "big", "head"]
+    clock = _clock({"small": 50, "big": 10, "head": 10}, {"small": 5, "big": 40, "head": 40})
+    chosen = latency.keep_faster(build, latency.weighted_layers(converted), clock)
+    report = qcore.explain(chosen)
+    assert [e.node for e in report.quantized if e.node in ("small", "big", "head")] == [
+        "big",
+        "head",
+    ]
+    assert report["small"].status is Status.FLOAT
+    assert report["small"].reason == (
+        "kept float (keep_float_if_slower): the model measured 70000000 us with it int8, "
+        "25000000 us float"
+    )
+    x = data[0][0]
+    torch.testing.assert_close(chosen.small(x), model.small(x))  # a float Linear again
+
+
+def test_when_int8_is_slower_everywhere_everything_is_kept_float():
+    backend, model = _backend(), Chain().eval()
+    data = [(torch.randn(16, 8),) for _ in range(2)]
+    build = _build(model, backend, data)
+    converted = build(frozenset())
+    # each layer alone gains nothing (its neighbours' quantize/dequantize cost it back),
+    # but all three float together win
+    costs = {"small": 10, "big": 10, "head": 10}
+
+    def clock(model):
+        floats = [e.node for e in qcore.explain(model).ops if e.node in costs]
+        quantized = [n for n in floats if qcore.explain(model)[n].status is Status.QUANTIZED]
+        return 30.0 if len(quantized) in (2, 3) else (35.0 if len(quantized) == 1 else 12.0)
+
+    chosen = latency.keep_faster(build, latency.weighted_layers(converted), clock)
+    report = qcore.explain(chosen)
+    assert all(report[name].status is Status.FLOAT for name in costs)
+    assert all("keep_float_if_slower" in report[name].reason for name in costs)
+
+
+def test_noise_keeps_int8():
+    backend, model = _backend(), Chain().eval()
+    data = [(torch.randn(16, 8),) for _ in range(2)]
+    build = _build(model, backend, data)
+    converted = build(frozenset())
+    calls = iter([100.0, 97.0, 96.0, 98.0, 99.0])  # within the 5% margin each time
+    chosen = latency.keep_faster(
+        build, latency.weighted_layers(converted), lambda model: next(calls)
+    )
+    assert [e.node for e in qcore.explain(chosen).quantized if e.node in ("small", "big")] == [
+        "small",
+        "big",
+    ]
+
+
+def test_quantize_takes_the_option_and_checks_it():
+    backend, model = _backend(), Chain().eval()
+    data = [(torch.randn(16, 8),) for _ in range(2)]
+    with pytest.raises(TypeError, match=r"keep_float_if_slower: got 'yes' \(str\); expected"):
+        qcore.quantize(model, data[0], data, backend=backend, keep_float_if_slower="yes")
+    chosen = qcore.quantize(model, data[0], data, backend=backend, keep_float_if_slower=True)
+    report = qcore.explain(chosen)
+    for name in ("small", "big", "head"):  # whatever this machine measured, it is said
+        entry = report[name]
+        assert entry.status is Status.QUANTIZED or "keep_float_if_slower" in entry.reason
+    x = data[0][0]
+    assert torch.isfinite(chosen(x)).all()
