@@ -5,8 +5,9 @@ A backend plugin answers ``qcore_compile_recipe`` with a :class:`qcore.CompileRe
 the prepared model to its reference form, the standard ``quantized_decomposed``
 quantize/dequantize graph those passes match, and hands it to ``torch.compile``
 with the recipe. A backend without a recipe runs fastest on its eager kernels:
-the lowered model is returned, as ``convert_pt2e`` gives it. PT2E only: the FX
-reference form keeps float weights inside its reference modules.
+the lowered model is returned, as ``convert_fx``/``convert_pt2e`` give it. An FX
+model's reference modules are first rewritten into int8 weights behind dequantize
+ops (``qcore.engine.decomposed.weights_in_graph``), the graph PT2E gives.
 
 Example::
 
@@ -86,23 +87,19 @@ class CompiledModel(torch.nn.Module):
         return f"backend={self.backend!r}, recipe={self.recipe.describe()}"
 
 
-def _pt2e_backend(model: Any) -> str:
-    """The backend a PT2E model was prepared for; a clear error for anything else."""
+def _path_and_backend(model: Any) -> tuple[str, str]:
+    """("fx" or "pt2e", the backend) of a model qcore prepared; a clear error otherwise."""
     from qcore.engine.prepare import STATE_KEY
     from qcore.pt2e.prepare import PT2E_STATE_KEY
 
     meta = getattr(model, "meta", {}) if isinstance(model, GraphModule) else {}
     if STATE_KEY in meta:
-        raise ValueError(
-            "model: prepared with qcore.prepare_fx; qcore.compile takes a model prepared with "
-            "qcore.prepare_pt2e, whose reference form is the graph compilers match (int8 "
-            "weights behind quantized_decomposed ops). An FX model runs on its eager kernels: "
-            "qcore.convert_fx(prepared)"
-        )
+        return "fx", meta[STATE_KEY].backend_name
     if PT2E_STATE_KEY not in meta:
         raise TypeError(
             f"model: got {describe(model)}; expected a calibrated model returned by "
-            "qcore.prepare_pt2e or prepare_qat_pt2e (qcore.compile converts it)"
+            "qcore.prepare_fx, prepare_qat_fx, prepare_pt2e or prepare_qat_pt2e "
+            "(qcore.compile converts it)"
         )
     state = meta[PT2E_STATE_KEY]
     if state.foreign:
@@ -111,7 +108,20 @@ def _pt2e_backend(model: Any) -> str:
             "no backend to ask for a compile recipe; convert it with "
             "qcore.convert_pt2e(prepared, lower=False) and torch.compile it yourself"
         )
-    return state.backend_name
+    return "pt2e", state.backend_name
+
+
+def _reference_form(model: GraphModule, path: str) -> GraphModule:
+    """The reference form compilers match: int8 weights behind quantized_decomposed
+    dequantize ops (the FX form's reference modules are rewritten into that)."""
+    import qcore
+    from qcore.engine.decomposed import weights_in_graph
+
+    if path == "pt2e":
+        return qcore.convert_pt2e(model, lower=False)
+    reference = qcore.convert_to_reference_fx(model)
+    weights_in_graph(reference)
+    return reference
 
 
 def _backend_recipe(backend_name: str) -> CompileRecipe | None:
@@ -123,12 +133,10 @@ def _backend_recipe(backend_name: str) -> CompileRecipe | None:
 
 
 def compile(model: GraphModule, *, recipe: CompileRecipe | None = None) -> torch.nn.Module:  # noqa: A001
-    """Convert a calibrated PT2E model and run it as its backend runs fastest.
+    """Convert a calibrated prepared model and run it as its backend runs fastest.
 
-    ``model`` comes from ``prepare_pt2e`` (or ``prepare_qat_pt2e``), after
-    calibration or training; it is not changed. (An FX model's reference form runs
-    float modules on dequantized weights, which no compiler turns into int8
-    kernels: ``convert_fx`` gives its fastest form.) The backend's plugins are asked
+    ``model`` comes from ``prepare_fx``/``prepare_pt2e`` (or their QAT forms),
+    after calibration or training; it is not changed. The backend's plugins are asked
     for a :class:`qcore.CompileRecipe` (``recipe=`` overrides them). With one, the
     result is a :class:`CompiledModel`: the reference form under ``torch.compile``,
     compiled on its first call for the shapes it gets. Without one (qnnpack,
@@ -143,11 +151,11 @@ def compile(model: GraphModule, *, recipe: CompileRecipe | None = None) -> torch
     """
     import qcore
 
-    backend_name = _pt2e_backend(model)
+    path, backend_name = _path_and_backend(model)
     if recipe is not None and not isinstance(recipe, CompileRecipe):
         raise TypeError(f"recipe: got {describe(recipe)}; expected a qcore.CompileRecipe or None")
     if recipe is None:
         recipe = _backend_recipe(backend_name)
     if recipe is None:
-        return qcore.convert_pt2e(model, lower=True)
-    return CompiledModel(qcore.convert_pt2e(model, lower=False), recipe, backend_name)
+        return qcore.convert_fx(model) if path == "fx" else qcore.convert_pt2e(model, lower=True)
+    return CompiledModel(_reference_form(model, path), recipe, backend_name)

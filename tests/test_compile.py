@@ -67,13 +67,18 @@ def _sqnr(expected: torch.Tensor, actual: torch.Tensor) -> float:
 
 
 @requires_x86
-def test_x86_compiles_the_reference_form_to_int8_kernels(recwarn):
+@pytest.mark.parametrize("path", ["pt2e", "fx"])
+def test_x86_compiles_the_reference_form_to_int8_kernels(path, recwarn):
     import torch._inductor.config as inductor_config
     from torch._dynamo.utils import counters
 
-    prepared = _prepared("pt2e", "x86")
+    prepared = _prepared(path, "x86")
     before = copy.deepcopy(prepared.state_dict())
-    reference = qcore.convert_pt2e(prepared, lower=False)
+    reference = (
+        qcore.convert_pt2e(prepared, lower=False)
+        if path == "pt2e"
+        else qcore.convert_to_reference_fx(prepared)
+    )
     torch._dynamo.reset()
     counters.clear()
     fast = qcore.compile(prepared)
@@ -128,12 +133,26 @@ def test_compile_takes_a_prepared_model_and_says_so():
         qcore.compile(torch.nn.Linear(2, 2))
 
 
-def test_an_fx_model_is_pointed_to_pt2e_or_its_eager_kernels():
-    if not installed("qnnpack"):
-        pytest.skip("needs the qnnpack plugin")
-    words = r"prepared with qcore.prepare_fx; qcore.compile takes .*qcore.prepare_pt2e"
-    with pytest.raises(ValueError, match=words):
-        qcore.compile(_prepared("fx", "qnnpack"))
+@pytest.mark.parametrize("backend", ["x86", "qnnpack", "fbgemm"])
+def test_fx_reference_modules_become_int8_weights_with_the_same_numbers(backend):
+    from qcore.engine.decomposed import weights_in_graph
+
+    if not installed(backend):
+        pytest.skip(f"needs the {backend} plugin")
+    reference = qcore.convert_to_reference_fx(_prepared("fx", backend))
+    (x,) = _data(1)[0]
+    expected = reference(x)
+    assert weights_in_graph(reference) == 3  # conv, conv2, fc
+    qd = torch.ops.quantized_decomposed
+    dequantized = [  # per channel (fbgemm, x86) or per tensor (qnnpack)
+        n.args[0].target
+        for n in reference.graph.nodes
+        if n.target in (qd.dequantize_per_channel.default, qd.dequantize_per_tensor.default)
+        and n.args[0].op == "get_attr"
+    ]
+    assert len(dequantized) == 3
+    assert all(getattr(reference, name).dtype == torch.int8 for name in dequantized)
+    assert torch.equal(reference(x), expected)
 
 
 def test_compile_refuses_a_recipe_of_another_type():

@@ -19,7 +19,7 @@ from torch.fx import GraphModule, Node
 
 from qcore import ops
 
-__all__ = ["to_decomposed"]
+__all__ = ["to_decomposed", "weights_in_graph"]
 
 qd = torch.ops.quantized_decomposed
 
@@ -84,3 +84,100 @@ def _dynamic(graph, node: Node) -> None:
         replacement = graph.call_function(qd.dequantize_per_tensor.tensor, (quantized, *args))
     node.replace_all_uses_with(replacement)
     graph.erase_node(node)
+
+
+_CONVS = {
+    torch.nn.Conv1d: torch.ops.aten.conv1d.default,
+    torch.nn.Conv2d: torch.ops.aten.conv2d.default,
+    torch.nn.Conv3d: torch.ops.aten.conv3d.default,
+}
+
+
+def _weighted_op(module: torch.nn.Module) -> tuple[torch.nn.Module, bool] | None:
+    """(the conv or linear, followed by a relu) a reference module runs, or None."""
+    parts = list(module) if isinstance(module, torch.nn.Sequential) else [module]
+    child, rest = parts[0], parts[1:]
+    if type(child) not in (*_CONVS, torch.nn.Linear):
+        return None
+    if rest and not (len(rest) == 1 and isinstance(rest[0], torch.nn.ReLU)):
+        return None
+    if type(child) in _CONVS and (child.padding_mode != "zeros" or isinstance(child.padding, str)):
+        return None
+    return child, bool(rest)
+
+
+def weights_in_graph(gm: GraphModule) -> int:
+    """Each conv/linear reference module (plain or with a fused relu) becomes its
+    integer weight, a ``quantized_decomposed`` dequantize and the aten op, in place:
+    the graph torchao's PT2E convert gives, which compilers' int8 passes match.
+    The numbers are the reference module's (it runs on the same dequantized
+    weights). Returns how many were rewritten; others stay modules."""
+    from qcore.engine.reference import ReferenceModule
+
+    graph, rewritten = gm.graph, 0
+    for node in list(graph.nodes):
+        if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+            continue
+        reference = gm.get_submodule(node.target)
+        found = _weighted_op(reference.module) if isinstance(reference, ReferenceModule) else None
+        if found is None or list(reference.weight_qparams) not in (["weight"], ["0.weight"]):
+            continue
+        ((name, qparams),) = reference.weight_qparams.items()
+        if qparams.dtype != torch.qint8:
+            continue
+        child, relu = found
+        prefix = node.name
+        gm.register_buffer(f"{prefix}_weight_int8", reference.integer_weight(name).clone())
+        limits = (qparams.quant_min, qparams.quant_max, torch.int8)
+        with graph.inserting_before(node):
+            integer = graph.get_attr(f"{prefix}_weight_int8")
+            if qparams.per_channel:
+                gm.register_buffer(f"{prefix}_weight_scale", qparams.scale.to(torch.float32))
+                gm.register_buffer(f"{prefix}_weight_zero_point", qparams.zero_point.long())
+                weight = graph.call_function(
+                    qd.dequantize_per_channel.default,
+                    (
+                        integer,
+                        graph.get_attr(f"{prefix}_weight_scale"),
+                        graph.get_attr(f"{prefix}_weight_zero_point"),
+                        qparams.axis,
+                        *limits,
+                    ),
+                )
+            else:
+                scale = float(qparams.scale.reshape(-1)[0])
+                zero_point = int(qparams.zero_point.reshape(-1)[0])
+                weight = graph.call_function(
+                    qd.dequantize_per_tensor.default, (integer, scale, zero_point, *limits)
+                )
+            bias = None
+            if child.bias is not None:
+                gm.register_buffer(f"{prefix}_bias", child.bias.detach().clone())
+                bias = graph.get_attr(f"{prefix}_bias")
+            if isinstance(child, torch.nn.Linear):
+                out = graph.call_function(
+                    torch.ops.aten.linear.default, (node.args[0], weight, bias)
+                )
+            else:
+                out = graph.call_function(
+                    _CONVS[type(child)],
+                    (
+                        node.args[0],
+                        weight,
+                        bias,
+                        list(child.stride),
+                        list(child.padding),
+                        list(child.dilation),
+                        child.groups,
+                    ),
+                )
+            if relu:
+                out = graph.call_function(torch.ops.aten.relu.default, (out,))
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        rewritten += 1
+    if rewritten:
+        gm.delete_all_unused_submodules()
+        graph.lint()
+        gm.recompile()
+    return rewritten
