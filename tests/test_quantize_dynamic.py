@@ -45,8 +45,11 @@ def _kernels(model) -> dict[str, tuple[str, str]]:
     return {e.node: (e.status.value, e.kernel) for e in qcore.explain(model).ops}
 
 
-def _kernel_backend(backend: str) -> str:
-    return "fbgemm" if backend == "native" else backend
+def _on(kernel: tuple[str, str], backend: str, family: str) -> bool:
+    """Quantized on ``family``'s kernel of ``backend`` (native: of any installed backend)."""
+    status, name = kernel
+    owner, _, kind = name.partition(".")
+    return status == "quantized" and kind == family and backend in ("native", owner)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -55,11 +58,10 @@ def test_linear_and_functional_linear_with_relu_run_on_dynamic_kernels(backend):
     before = copy.deepcopy(model.state_dict())
     quantized = qcore.quantize_dynamic(model, backend=backend)
     kernels = _kernels(quantized)
-    kind = _kernel_backend(backend)
-    fused = ("quantized", f"{kind}.linear_relu_dynamic")
-    assert kernels["fc"] == fused  # nn.Linear + F.relu, fused into LinearReLU
-    assert kernels["linear"] == kernels["relu_1"] == fused  # F.linear + F.relu
-    assert kernels["head"] == ("quantized", f"{kind}.linear_dynamic")
+    assert _on(kernels["fc"], backend, "linear_relu_dynamic")  # nn.Linear + F.relu, fused
+    assert _on(kernels["linear"], backend, "linear_relu_dynamic")  # F.linear + F.relu
+    assert kernels["relu_1"] == kernels["linear"]
+    assert _on(kernels["head"], backend, "linear_dynamic")
     assert kernels["conv"][0] == "float"  # not a dynamic op: left alone
     # No relu is left in the graph after the linears: the kernels apply it.
     targets = [n.target for n in quantized.graph.nodes if n.op == "call_function"]
@@ -78,12 +80,13 @@ def test_with_example_inputs_and_float16_weights(backend):
     model = LinearsAndConv().eval()
     x = torch.randn(4, 32)
     with_inputs = qcore.quantize_dynamic(model, backend=backend, example_inputs=(x,))
-    assert _kernels(with_inputs) == _kernels(qcore.quantize_dynamic(model, backend=backend))
-    if backend == "qnnpack":
-        return  # qnnpack has no fp16 packed linear (explain says so)
+    int8 = _kernels(with_inputs)
+    assert int8 == _kernels(qcore.quantize_dynamic(model, backend=backend))
     fp16 = qcore.quantize_dynamic(model, {nn.Linear}, torch.float16, backend=backend)
     kernels = _kernels(fp16)
-    assert kernels["fc"][0] == kernels["head"][0] == "quantized"
+    # qnnpack has no fp16 packed linear: reference form there (explain says so)
+    on_qnnpack = int8["head"][1].startswith("qnnpack.")
+    assert kernels["fc"][0] == kernels["head"][0] == ("reference" if on_qnnpack else "quantized")
     assert kernels["linear"][0] == "float"  # F.linear is not in the set asked for
     assert sqnr(model(x), fp16(x)) > 50  # float16 weights: close to float
 
