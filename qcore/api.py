@@ -548,7 +548,17 @@ def quantize_dynamic(
 
 def explain(model: torch.nn.Module) -> Report:
     """Why each node of a prepared or converted model is (not) quantized. For a
-    model from :func:`qcore.compile`, the report of the reference form it compiled."""
+    model from :func:`qcore.compile`, the report of the reference form it compiled.
+
+    ``print(report)`` keeps every line within 100 columns, shortening long reasons;
+    ``report.details(node)`` and ``report.format(verbose=True)`` give them in full.
+
+    Example::
+
+        >>> report = qcore.explain(quantized)
+        >>> print(report)
+        >>> print(report.details("softmax"))
+    """
     report = report_of(model) if isinstance(model, torch.nn.Module) else None
     if report is None:
         raise TypeError(
