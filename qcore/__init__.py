@@ -66,6 +66,7 @@ _LAZY = {
     "explain": "qcore.api",
     "compile": "qcore.compiling",
     "equalize": "qcore.algorithms",
+    "correct_bias": "qcore.algorithms",
     "CompiledModel": "qcore.compiling",
     "QConfig": "qcore.config.qconfig",
     "QConfigMapping": "qcore.config.qconfig",

@@ -1,0 +1,210 @@
+"""Bias correction (Nagel et al., 2019; NNCF's fast bias correction).
+
+Rounding a layer's weights shifts the mean of its outputs: ``E[Q(W) x]`` differs
+from ``E[W x]`` by ``(W - Q(W)) E[x]``, a bias no later layer undoes, largest on
+depthwise convolutions (few weights per output, each error weighs). Correction
+adds that shift back to the layer's bias, from the per-channel mean of its input
+over calibration data. The weights' quantization is the one convert will apply
+(the QConfig's weight observer on FX, the graph's weight observer on PT2E), so
+the integer weights and every constraint of the backend stay as they are; only
+the float bias, which kernels take in float, changes.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Interpreter, Node
+
+from qcore.algorithms.equalize import _is_observer, _layer
+from qcore.config.errors import describe
+from qcore.engine.reference import QParams, qparams_of
+
+__all__ = ["CorrectedBias", "correct_bias", "corrected_biases"]
+
+_KEY = "qcore_corrected_biases"
+
+
+@dataclass(frozen=True)
+class CorrectedBias:
+    """A layer whose bias was corrected: the largest change, relative to the
+    largest absolute bias before (0 when it had none)."""
+
+    layer: str
+    largest_change: float
+    relative_change: float
+
+
+def _weight_qparams(gm: GraphModule, node: Node) -> QParams | None:
+    """The qparams convert will quantize ``node``'s weight with."""
+    from qcore.engine.prepare import STATE_KEY
+    from qcore.pt2e.prepare import PT2E_STATE_KEY
+
+    if STATE_KEY in gm.meta and node.op == "call_module":
+        state = gm.meta[STATE_KEY]
+        if hasattr(gm.get_submodule(node.target), "weight_fake_quant"):
+            return None  # QAT: training already adapts the bias to its fake-quantized weights
+        for accepted in state.accepted:
+            if accepted.root_name == node.name and accepted.qconfig.weight is not None:
+                layer = _layer(gm, node)
+                observer = accepted.qconfig.weight()
+                observer(layer.weight.detach())
+                return qparams_of(observer, full_range=True)
+        return None
+    if PT2E_STATE_KEY in gm.meta and node.op == "call_function":
+        weight = node.args[1]
+        if isinstance(weight, Node) and _is_observer(gm, weight):
+            observer = gm.get_submodule(weight.target)
+            if getattr(observer, "dtype", None) not in (torch.qint8, torch.quint8, torch.int8):
+                return None
+            observer(_layer(gm, node).weight.detach())  # a weight observer sees its constant
+            return qparams_of(observer, full_range=gm.meta[PT2E_STATE_KEY].full_range)
+    return None
+
+
+def _fake_quantized(weight: torch.Tensor, qparams: QParams) -> torch.Tensor:
+    w = weight.detach().float()
+    if qparams.per_channel:
+        shape = [1] * w.dim()
+        shape[qparams.axis] = -1
+        scale = qparams.scale.reshape(shape).float()
+        zero_point = qparams.zero_point.reshape(shape).float()
+    else:
+        scale = qparams.scale.reshape(-1)[0].float()
+        zero_point = qparams.zero_point.reshape(-1)[0].float()
+    integer = torch.clamp(torch.round(w / scale) + zero_point, qparams.quant_min, qparams.quant_max)
+    return (integer - zero_point) * scale
+
+
+class _InputMeans(Interpreter):
+    """Runs the graph, summing each watched node's first input per channel."""
+
+    def __init__(self, gm: GraphModule, watched: dict[Node, bool]) -> None:
+        super().__init__(gm)
+        self.watched = watched  # node -> is_linear
+        self.sums: dict[Node, torch.Tensor] = {}
+        self.counts: dict[Node, int] = {}
+
+    def run_node(self, node: Node) -> Any:
+        if node in self.watched:
+            x = self.env[node.args[0]].detach().float()
+            if self.watched[node]:  # linear: channels last
+                flat = x.reshape(-1, x.shape[-1])
+            else:  # conv: channels at dim 1
+                flat = x.transpose(0, 1).reshape(x.shape[1], -1).t()
+            self.sums[node] = self.sums.get(node, 0) + flat.sum(0)
+            self.counts[node] = self.counts.get(node, 0) + flat.shape[0]
+        return super().run_node(node)
+
+
+def _shift(delta: torch.Tensor, mean: torch.Tensor, groups: int, is_linear: bool) -> torch.Tensor:
+    """``(W - Q(W)) E[x]`` per output channel."""
+    if is_linear:
+        return delta @ mean
+    out_channels, in_per_group = delta.shape[0], delta.shape[1]
+    per_output = delta.flatten(2).sum(2)  # the input's mean taken as spatially constant
+    group_of = torch.arange(out_channels) // (out_channels // groups)
+    index = group_of[:, None] * in_per_group + torch.arange(in_per_group)[None, :]
+    return (per_output * mean[index]).sum(1)
+
+
+def correct_bias(
+    prepared: GraphModule,
+    calibration_data: Iterable[Any],
+    *,
+    input_fn: Callable[[Any], Any] | None = None,
+) -> GraphModule:
+    """Fast bias correction of a calibrated prepared model (FX or PT2E).
+
+    Returns a copy whose conv/linear biases absorb the mean output shift of their
+    weights' rounding (``(W - Q(W)) E[x]``, with ``E[x]`` the per-channel mean of
+    each layer's input over ``calibration_data``, batches as ``qcore.quantize``
+    takes them); a layer without a bias gets one. Observers are not touched:
+    convert the result as usual. ``qcore.algorithms.corrected_biases(model)``
+    lists what changed.
+
+    Example::
+
+        >>> for batch in calibration_data:
+        ...     prepared(*batch)
+        >>> prepared = qcore.correct_bias(prepared, calibration_data)
+        >>> quantized = qcore.convert_fx(prepared)
+    """
+    from qcore.calibration import calibration_calls
+
+    if not isinstance(prepared, GraphModule):
+        raise TypeError(
+            f"prepared: got {describe(prepared)}; expected a model from qcore.prepare_fx or "
+            "qcore.prepare_pt2e, calibrated"
+        )
+    gm = copy.deepcopy(prepared)
+    watched: dict[Node, bool] = {}
+    qparams: dict[Node, QParams] = {}
+    for node in gm.graph.nodes:
+        layer = _layer(gm, node)
+        if layer is None or node.args[0] is None:
+            continue
+        found = _weight_qparams(gm, node)
+        if found is not None:
+            watched[node], qparams[node] = layer.is_linear, found
+    if not watched:
+        gm.meta[_KEY] = ()
+        return gm
+    recorder = _InputMeans(copy.deepcopy(gm), {})
+    by_name = {n.name: n for n in recorder.module.graph.nodes}
+    recorder.watched = {by_name[n.name]: is_linear for n, is_linear in watched.items()}
+    batches = 0
+    with torch.no_grad():
+        for args, kwargs in calibration_calls(prepared, calibration_data, input_fn):
+            if kwargs:
+                raise TypeError(
+                    "calibration_data: correct_bias runs the graph on positional inputs; "
+                    f"batch {batches} gave keyword arguments {sorted(kwargs)}"
+                )
+            recorder.run(*args)
+            batches += 1
+    if not batches:
+        raise ValueError("calibration_data: got no batches; expected at least one")
+    changes = []
+    with torch.no_grad():
+        for node in watched:
+            twin = by_name[node.name]
+            layer = _layer(gm, node)
+            mean = recorder.sums[twin] / recorder.counts[twin]
+            delta = layer.weight.detach().float() - _fake_quantized(layer.weight, qparams[node])
+            shift = _shift(delta, mean, layer.groups, layer.is_linear).to(layer.weight.dtype)
+            before = 0.0 if layer.bias is None else float(layer.bias.abs().max())
+            if layer.bias is None:
+                _add_bias(gm, node, shift)
+            else:
+                layer.bias.data.add_(shift)
+            largest = float(shift.abs().max())
+            changes.append(CorrectedBias(node.name, largest, largest / before if before else 0.0))
+    gm.meta[_KEY] = tuple(changes)
+    return gm
+
+
+def _add_bias(gm: GraphModule, node: Node, bias: torch.Tensor) -> None:
+    if node.op == "call_module":
+        from qcore.algorithms.equalize import _weighted_module
+
+        module = _weighted_module(gm.get_submodule(node.target))
+        module.bias = torch.nn.Parameter(bias.clone(), requires_grad=False)
+        return
+    name = f"{node.name}_corrected_bias"
+    gm.register_buffer(name, bias.clone())
+    with gm.graph.inserting_before(node):
+        attr = gm.graph.get_attr(name)
+    args = list(node.args) + [None] * max(0, 3 - len(node.args))
+    args[2] = attr
+    node.args = tuple(args)
+    gm.recompile()
+
+
+def corrected_biases(model: GraphModule) -> tuple[CorrectedBias, ...]:
+    """The layers :func:`correct_bias` changed in ``model`` (empty if none)."""
+    return tuple(getattr(model, "meta", {}).get(_KEY, ()))

@@ -1,0 +1,116 @@
+"""Fast bias correction (issue 17 §1): the rounding of a layer's weights shifts
+its output mean; correct_bias adds the shift back to the float bias, on FX and
+PT2E prepared models, changing nothing else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backends import backend_params, installed
+
+import qcore
+from qcore.algorithms import corrected_biases
+
+
+class RoundsDown(torch.nn.Module):
+    """A linear whose weights all sit 0.45 of a step above a grid point (the step
+    its symmetric observer picks): rounding takes 0.45 step off every product, and
+    its inputs are positive, so the output shifts by the same sign everywhere."""
+
+    def __init__(self, bias: bool = True) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.fc1 = torch.nn.Linear(64, 64, bias=bias)
+        self.fc2 = torch.nn.Linear(64, 8)
+        step = 0.001
+        integers = torch.randint(-100, 100, (64, 64), generator=generator).float()
+        weight = (integers + 0.45) * step
+        weight[:, 0] = 127.5 * step  # pins each channel's scale at step
+        with torch.no_grad():
+            self.fc1.weight.copy_(weight)
+            if bias:
+                self.fc1.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _data(count: int = 4) -> list[tuple[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.rand(16, 64, generator=generator) + 0.5,) for _ in range(count)]
+
+
+def _calibrated(model, path: str, backend: str):
+    data = _data()
+    if path == "pt2e":
+        prepared = qcore.prepare_pt2e(torch.export.export(model, data[0]).module(), backend)
+    else:
+        prepared = qcore.prepare_fx(model, None, data[0], backend=backend)
+    with torch.no_grad():
+        for batch in data:
+            prepared(*batch)
+    return prepared
+
+
+def _convert(prepared, path: str):
+    return qcore.convert_pt2e(prepared) if path == "pt2e" else qcore.convert_fx(prepared)
+
+
+def _sqnr(expected: torch.Tensor, actual: torch.Tensor) -> float:
+    noise = (expected - actual).pow(2).mean()
+    return (10 * torch.log10(expected.pow(2).mean() / noise)).item()
+
+
+def _backend() -> str:
+    for name in ("qnnpack", "fbgemm", "x86"):
+        if installed(name):
+            return name
+    pytest.skip("needs a first-party backend")
+
+
+@pytest.mark.parametrize("path", ["fx", "pt2e"])
+@pytest.mark.parametrize("backend", backend_params())
+def test_correction_lifts_sqnr_where_rounding_is_biased(path, backend):
+    model = RoundsDown().eval()
+    prepared = _calibrated(model, path, backend)
+    corrected = qcore.correct_bias(prepared, _data())
+    (x,) = _data(1)[0]
+    with torch.no_grad():
+        plain_db = _sqnr(model(x), _convert(prepared, path)(x))
+        corrected_db = _sqnr(model(x), _convert(corrected, path)(x))
+    assert corrected_db >= plain_db + 5.0, (plain_db, corrected_db)
+    changed = {c.layer: c for c in corrected_biases(corrected)}
+    assert len(changed) == 2  # fc1 and fc2
+    assert max(c.largest_change for c in changed.values()) > 0.01
+
+
+@pytest.mark.parametrize("path", ["fx", "pt2e"])
+def test_only_biases_change(path):
+    prepared = _calibrated(RoundsDown().eval(), path, _backend())
+    before = {k: v.clone() for k, v in prepared.state_dict().items()}
+    corrected = qcore.correct_bias(prepared, _data())
+    after = corrected.state_dict()
+    assert all(torch.equal(v, prepared.state_dict()[k]) for k, v in before.items())
+    differ = sorted(k for k in before if not torch.equal(before[k], after[k]))
+    assert differ and all("bias" in k for k in differ), differ
+    assert corrected_biases(prepared) == ()
+
+
+@pytest.mark.parametrize("path", ["fx", "pt2e"])
+def test_a_layer_without_a_bias_gets_one(path):
+    model = RoundsDown(bias=False).eval()
+    prepared = _calibrated(model, path, _backend())
+    corrected = qcore.correct_bias(prepared, _data())
+    (x,) = _data(1)[0]
+    with torch.no_grad():
+        plain_db = _sqnr(model(x), _convert(prepared, path)(x))
+        corrected_db = _sqnr(model(x), _convert(corrected, path)(x))
+    assert corrected_db >= plain_db + 5.0, (plain_db, corrected_db)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(TypeError, match=r"prepared: got .*Linear.*expected a model from qcore"):
+        qcore.correct_bias(torch.nn.Linear(2, 2), [])
+    prepared = _calibrated(RoundsDown().eval(), "fx", _backend())
+    with pytest.raises(ValueError, match=r"calibration_data: got no batches"):
+        qcore.correct_bias(prepared, [])
