@@ -15,6 +15,7 @@ pattern stays in reference form.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 
@@ -29,7 +30,15 @@ from qcore.kernels.embedding import QuantizedEmbedding, QuantizedEmbeddingBag
 from qcore.kernels.weighted import QuantizedConv, QuantizedConvTranspose, QuantizedLinear
 from qcore.plugin.kernels import Kernel, KernelUnavailable
 
-__all__ = ["ENGINES", "PACKED_AS", "UNAVAILABLE", "families", "kernels_for"]
+__all__ = [
+    "ENGINES",
+    "PACKED_AS",
+    "UNAVAILABLE",
+    "declare_unconfigured",
+    "families",
+    "kernels_for",
+    "no_model_reason",
+]
 
 ENGINES = ("fbgemm", "qnnpack", "x86", "onednn")
 
@@ -69,6 +78,99 @@ UNSIGNED_ONLY = (torch.quint8,)
 PACKED_AS: dict[str, dict[str, str]] = {
     "x86": {f"conv_transpose{dims}d": "fbgemm" for dims in (1, 2, 3)},
 }
+
+
+#: Why the conformance suite checks no kernel of these patterns (``Kernel.no_model_reason``).
+QAT_ONLY = (
+    "a QAT module or conv/linear fused with batch norm for QAT: convert folds the batch "
+    "norm and gives the float module (to_float), which the float pattern's kernel takes"
+)
+NO_TENSOR_METHOD = (
+    "torch.Tensor has no such method (torch.ao's configs list the name), so no model can call it"
+)
+
+
+FUSED_CHAIN = (
+    "a conv, linear or batch norm followed by relu: the first-party configs fuse the pair "
+    "into one module (FX: torch.ao's fusion patterns; PT2E: qcore's convert) or declare "
+    "no such chain, so no model reaches lowering as this chain; it serves a config that "
+    "quantizes the pair unfused"
+)
+MIXED_CHAIN = (
+    "mixes a torch.fx-traced op (a function, method or activation module) with a "
+    "torch.export aten op: no traced or exported graph holds both"
+)
+TRACED_THROUGH = (
+    "torch.fx traces this torch.nn.functional wrapper through, recording the Tensor "
+    "method it calls: no traced graph holds the function itself"
+)
+_WEIGHTED_OR_NORM = (
+    torch.nn.Linear,
+    torch.nn.Conv1d,
+    torch.nn.Conv2d,
+    torch.nn.Conv3d,
+    torch.nn.BatchNorm2d,
+    torch.nn.BatchNorm3d,
+)
+
+
+def _is_aten(op) -> bool:
+    return isinstance(op, torch._ops.OpOverload)
+
+
+def no_model_reason(pattern) -> str:
+    """Why no conformance model can exercise ``pattern`` with a first-party backend
+    (``Kernel.no_model_reason``), or ''.
+
+    Example::
+
+        >>> no_model_reason(nniqat.ConvBn2d) == QAT_ONLY
+        True
+    """
+    chain = pattern if isinstance(pattern, tuple) else (pattern,)
+    first = chain[0]
+    if isinstance(first, type) and first not in (nni.BNReLU2d, nni.BNReLU3d):
+        if first.__module__.startswith("torch.ao.nn.intrinsic.qat") or "Bn" in first.__name__:
+            return QAT_ONLY
+    if isinstance(first, str) and not hasattr(torch.Tensor, first):
+        return NO_TENSOR_METHOD
+    if first in (F.sigmoid, F.tanh):
+        return TRACED_THROUGH
+    # An exported graph holds aten ops, and modules only where convert builds
+    # reference modules (the weighted op a chain starts with).
+    rest = chain[1:] if isinstance(first, type) else chain
+    if any(map(_is_aten, chain)) and not all(map(_is_aten, rest)):
+        return MIXED_CHAIN
+    if len(chain) > 1 and first in _WEIGHTED_OR_NORM:
+        return FUSED_CHAIN
+    return ""
+
+
+def declare_unconfigured(
+    kernels: list[Kernel], pattern_configs: list, backend: str
+) -> list[Kernel]:
+    """``kernels``, those whose pattern none of ``pattern_configs`` declares given that
+    as their ``no_model_reason`` (the kernel library serves every engine; a backend's
+    config quantizes only some of its patterns). Patterns of aten ops (PT2E graphs)
+    and kernels with a reason already are left as they are.
+
+    Example (a plugin's hook)::
+
+        return declare_unconfigured(kernels_for("fbgemm"), config.pattern_configs(), "fbgemm")
+    """
+    declared = set()
+    for config in pattern_configs:
+        for pattern in (config.pattern, config.fused_module):
+            if pattern is not None:
+                declared.add(pattern if isinstance(pattern, tuple) else (pattern,))
+    result = []
+    for kernel in kernels:
+        if kernel.no_model_reason or kernel.chain in declared or any(map(_is_aten, kernel.chain)):
+            result.append(kernel)
+            continue
+        why = f"{backend}'s config declares no such pattern, so it never reaches lowering"
+        result.append(dataclasses.replace(kernel, no_model_reason=why))
+    return result
 
 
 def _with_relu(patterns, relu_patterns=RELU) -> list:
@@ -197,5 +299,6 @@ def kernels_for(engine: str) -> list[Kernel]:
         unsigned = family.startswith(UNSIGNED_FAMILIES) and not family.endswith("_dynamic")
         dtypes = UNSIGNED_ONLY if unsigned else ()
         for pattern in patterns:
-            kernels.append(Kernel(f"{engine}.{family}", pattern, packing, lower, dtypes))
+            reason = missing.get(family, "") or no_model_reason(pattern)
+            kernels.append(Kernel(f"{engine}.{family}", pattern, packing, lower, dtypes, reason))
     return kernels

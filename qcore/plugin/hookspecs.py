@@ -55,6 +55,8 @@ def qcore_backend_kernels(backend: str) -> list[Kernel] | None:
     Called once, the first time ``backend`` is asked for. Returns
     :class:`qcore.Kernel` objects; at convert, each replaces the reference
     patterns it matches. A pattern no kernel matches stays in reference form.
+    ``qcore check`` tests each kernel on a model built from its pattern; a kernel
+    it cannot test says why in ``Kernel.no_model_reason``, or fails the check.
     """
 
 

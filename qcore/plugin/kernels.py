@@ -138,6 +138,15 @@ class Kernel:
     """The quantized activation dtypes the kernel takes and returns (``(torch.quint8,)``
     for torch's int8 conv and linear); empty takes any. Lowering checks it, so a
     config that accepts other dtypes leaves the pattern in reference form, explained."""
+    no_model_reason: str = field(default="", compare=False)
+    """Why the conformance suite (``qcore check``) cannot check this kernel, e.g.
+    ``"a QAT module: convert gives its float form, which the float pattern's kernel
+    takes"``. The suite builds a small model of the kernel's pattern
+    (:func:`qcore.conformance_models.model_for`), quantizes it with the backend and
+    compares the kernel alone with the reference form. A kernel fails the check when
+    no model can be built for its pattern, or when the kernel takes nothing of that
+    model, unless this reason is set; the reason never excuses a kernel whose output
+    disagrees with the reference form."""
 
     def __post_init__(self) -> None:
         from qcore.config.errors import invalid
@@ -156,6 +165,12 @@ class Kernel:
             raise invalid("Kernel.engine", self.engine, "a non-empty str such as 'fbgemm'")
         if self.lower is not None and not callable(self.lower):
             raise invalid("Kernel.lower", self.lower, "a callable or None")
+        if not isinstance(self.no_model_reason, str):
+            raise invalid(
+                f"Kernel.no_model_reason (kernel {self.name!r})",
+                self.no_model_reason,
+                "a str saying why no conformance model can be built ('' for none)",
+            )
         if not isinstance(self.activation_dtypes, tuple) or not all(
             isinstance(dtype, torch.dtype) for dtype in self.activation_dtypes
         ):

@@ -23,9 +23,10 @@ def qcore_backend_kernels(backend):
     """qcore's int8 kernel library, packed for the fbgemm engine."""
     if backend != BACKEND:
         return None
-    from qcore.kernels import kernels_for
+    from qcore.kernels.library import declare_unconfigured, kernels_for
 
-    return kernels_for("fbgemm")
+    # Kernels of patterns this config leaves out carry the reason (``qcore check``).
+    return declare_unconfigured(kernels_for("fbgemm"), config.pattern_configs(), BACKEND)
 
 
 @hookimpl

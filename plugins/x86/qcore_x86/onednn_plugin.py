@@ -35,9 +35,12 @@ def qcore_backend_kernels(backend):
         return None
     from qcore.kernels import kernels_for
     from qcore_x86.onednn import onednn_engine_conv_add_kernels, onednn_kernels
+    from qcore_x86.plugin import declared_kernels
 
     convs = [k for k in kernels_for("onednn") if k.name.split(".")[1] in _ONEDNN_PACKED]
-    return [*convs, *onednn_engine_conv_add_kernels(), *kernels_for("x86"), *onednn_kernels()]
+    kernels = [*convs, *onednn_engine_conv_add_kernels(), *kernels_for("x86"), *onednn_kernels()]
+    # Kernels of patterns onednn never gives them carry the reason (``qcore check``).
+    return declared_kernels(kernels, config.onednn_pattern_configs(), BACKEND)
 
 
 @hookimpl

@@ -27,12 +27,62 @@ def x86_kernels() -> list:
     return [*kernels_for("x86"), *onednn_kernels()]
 
 
+#: ``Kernel.no_model_reason`` of the library's PT2E kernels under x86's own Quantizer.
+X86_QUANTIZER_LEAVES_FLOAT = (
+    "x86's PT2E Quantizer (X86Quantizer, torchao's X86InductorQuantizer recipe) "
+    "annotates this op only fused into a conv/linear or right after one, never on its "
+    "own; the kernel serves graphs other Quantizers annotate (native, extensions)"
+)
+
+
+#: x86's kernels that onednn's default mappings never give a match they take.
+ONEDNN_REFUSED = {
+    **{
+        f"conv_transpose{dims}d": (
+            "onednn's default QConfigMappings give ConvTranspose per-channel weights (as "
+            "torch.ao's do), which torch's int8 conv_transpose refuses"
+        )
+        for dims in (1, 2, 3)
+    },
+    **{
+        family: (
+            "onednn's config takes embeddings with qint8 weights; torch.ao's weight-only "
+            "QConfig (float_qparams_weight_only_qconfig, the one the suite tries) gives quint8"
+        )
+        for family in ("embedding", "embedding_bag")
+    },
+}
+
+
+def declared_kernels(kernels: list, pattern_configs: list, backend: str = BACKEND) -> list:
+    """``kernels`` with ``no_model_reason`` set where ``backend`` (x86 or onednn: both
+    quantize PT2E graphs with X86Quantizer) never gives them their pattern (``qcore
+    check`` reports them by that reason): patterns its config leaves out, and
+    torch.export ops its Quantizer leaves float on their own."""
+    import dataclasses
+
+    import torch
+
+    from qcore.kernels.library import declare_unconfigured
+
+    result = []
+    for kernel in declare_unconfigured(kernels, pattern_configs, backend):
+        exported = any(isinstance(op, torch._ops.OpOverload) for op in kernel.chain)
+        if exported and not kernel.no_model_reason:
+            kernel = dataclasses.replace(kernel, no_model_reason=X86_QUANTIZER_LEAVES_FLOAT)
+        family = kernel.name.partition(".")[2]
+        if backend == "onednn" and family in ONEDNN_REFUSED and not kernel.no_model_reason:
+            kernel = dataclasses.replace(kernel, no_model_reason=ONEDNN_REFUSED[family])
+        result.append(kernel)
+    return result
+
+
 @hookimpl
 def qcore_backend_kernels(backend):
     """The x86 engine's kernels (:func:`x86_kernels`)."""
     if backend != BACKEND:
         return None
-    return x86_kernels()
+    return declared_kernels(x86_kernels(), config.pattern_configs())
 
 
 @hookimpl

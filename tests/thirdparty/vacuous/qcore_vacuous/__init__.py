@@ -1,0 +1,1 @@
+"""A vacuous qcore backend: see plugin.py."""
