@@ -73,6 +73,7 @@ _LAZY = {
     "get_default_qconfig_mapping": "qcore.api",
     "get_default_qat_qconfig_mapping": "qcore.api",
     "Report": "qcore.engine.explain",
+    "QParams": "qcore.engine.reference",
     "prepare_pt2e": "qcore.pt2e",
     "prepare_qat_pt2e": "qcore.pt2e",
     "convert_pt2e": "qcore.pt2e",

@@ -28,7 +28,28 @@ _PER_CHANNEL = (
 
 @dataclass(frozen=True)
 class QParams:
-    """Quantization parameters of one tensor."""
+    """Quantization parameters of one tensor: what a kernel reads from
+    ``match.module.weight_qparams[name]`` (public as ``qcore.QParams`` and
+    ``qcore.kernels.QParams``).
+
+    * ``scale``: float tensor, one element per tensor, or one per channel along
+      ``axis``;
+    * ``zero_point``: integer tensor shaped like ``scale`` (0 for symmetric qint8);
+    * ``dtype``: the quantized dtype, e.g. ``torch.qint8`` (``torch.float16`` for a
+      float16 weight: scale 1, zero point 0, a cast);
+    * ``quant_min`` / ``quant_max``: the integer range the values were clamped to;
+    * ``qscheme``: e.g. ``torch.per_channel_symmetric``;
+    * ``axis``: the channel axis of per-channel qparams, None per tensor.
+
+    The integers themselves are ``match.module.integer_weight(name)``:
+    ``clamp(round(w / scale) + zero_point, quant_min, quant_max)``.
+
+    Example::
+
+        >>> qparams = match.module.weight_qparams["weight"]
+        >>> qparams.per_channel, qparams.scale.shape
+        (True, torch.Size([64]))
+    """
 
     scale: torch.Tensor
     zero_point: torch.Tensor

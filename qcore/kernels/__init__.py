@@ -9,6 +9,7 @@ input's memory order), ``dynamic`` (dynamic linear, LSTM, GRU),
 ``library`` (the full set per engine).
 """
 
+from qcore.engine.reference import QParams
 from qcore.kernels.library import ENGINES, PACKED_AS, UNAVAILABLE, kernels_for
 from qcore.kernels.weighted import QuantizedConv, QuantizedConvTranspose, QuantizedLinear
 from qcore.plugin.kernels import ActivationQParams
@@ -18,6 +19,7 @@ __all__ = [
     "PACKED_AS",
     "UNAVAILABLE",
     "ActivationQParams",
+    "QParams",
     "QuantizedConv",
     "QuantizedConvTranspose",
     "QuantizedLinear",
