@@ -361,7 +361,7 @@ def check_kernels_match_reference(name: str) -> str:
     if problems:
         _fail("\n".join(problems))
     note = "".join(
-        f"; not checked, {reason}: "
+        f"\n  not checked, {reason}: "
         + ", ".join(
             f"{kernel} ({len(patterns)} patterns)"
             if len(patterns) > 1
