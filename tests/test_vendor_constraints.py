@@ -278,3 +278,38 @@ def test_constraints_round_trip_through_json_and_refuse_torch_ao():
 
     with pytest.raises(ConfigError, match=r"scale_power_of_two: got True; expected None"):
         to_torch_ao(config)
+
+
+def test_pt2e_enforces_power_of_two_too():
+    """The PT2E path compiles the same constraints into its Quantizer."""
+    from qcore.pt2e import BackendQuantizer, convert_pt2e, prepare_pt2e
+
+    torch.manual_seed(0)
+    model = Net().eval()
+    exported = torch.export.export(model, (_INPUT,)).module()
+    results = {}
+    for label, mapping in (
+        ("pow2", QConfigMapping().set_global(POW2_QCONFIG)),
+        ("default", default_qconfig_mapping("x86")),
+    ):
+        quantizer = BackendQuantizer(pow2_backend(), mapping)
+        prepared = prepare_pt2e(exported, quantizer)
+        with torch.no_grad():
+            for _ in range(8):
+                prepared(torch.randn(4, 3, 8, 8))
+            results[label] = convert_pt2e(prepared, lower=False)
+    converted, scales, channels = results["pow2"], [], 0
+    for node in converted.graph.nodes:
+        if "quantize_per_tensor" in str(node.target) and isinstance(node.args[1], float):
+            scales.append(node.args[1])
+        if "quantize_per_channel" in str(node.target):  # the weights
+            per_channel = getattr(converted, node.args[1].target).flatten().tolist()
+            scales += per_channel
+            channels += len(per_channel)
+    assert channels >= 8 + 10 and len(scales) > channels, scales
+    assert all(is_power_of_two(s) for s in scales), scales
+    with torch.no_grad():
+        assert sqnr(model(_INPUT), results["pow2"](_INPUT)) > 25
+    report = qcore.explain(results["default"])
+    assert not report.quantized and not report.reference
+    assert any("power_of_two_scale=True" in entry.reason for entry in report.float)
