@@ -245,6 +245,15 @@ class DTypeWithConstraints:
                 f"a value within {low_name}={low} and {high_name}={high}",
             )
 
+    def __repr__(self) -> str:
+        # torch.ao's fields always (as torch.ao prints them); qcore's own only when set
+        parts = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if f.name != "scale_power_of_two" or self.scale_power_of_two is not None
+        ]
+        return f"DTypeWithConstraints({', '.join(parts)})"
+
     @property
     def has_constraints(self) -> bool:
         """True when any field other than ``dtype`` is set."""
