@@ -404,9 +404,7 @@ class ShiftedQParams:
 
 # A bias rounded to float16, with torch.ao's observer class for torch.ao's QConfigs
 # (module constants: specs are cached by constructor identity).
-_AO_FLOAT16_BIAS = torch.ao.quantization.observer.PlaceholderObserver.with_args(
-    dtype=torch.float16
-)
+_AO_FLOAT16_BIAS = torch.ao.quantization.observer.PlaceholderObserver.with_args(dtype=torch.float16)
 _FLOAT16_BIAS = PlaceholderObserver.with_args(dtype=torch.float16)
 
 
