@@ -42,5 +42,7 @@ def test_depthwise_conv_with_8bit_activations_is_within_a_step_of_reference(chan
     assert kernels == ["x86.conv2d"], kernels
     with torch.no_grad():
         expected, actual = reference(batches[0]), lowered(batches[0])
-    step = float((expected.max() - expected.min()) / 255)
+    # one step of the output's quantization (its scale was observed over all batches,
+    # so it can exceed this batch's range / 255)
+    step = float(lowered.get_submodule("0").scale)
     assert (expected - actual).abs().max() <= 1.01 * step
