@@ -25,6 +25,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from qcore.kernels.runtime import int8_products_saturate  # noqa: E402
+
 from .harness import (  # noqa: E402
     SQNR_TOLERANCE_DB,
     CaseResult,
@@ -61,10 +63,21 @@ CI_CASES = [
 ]
 
 # (model, path, backend) -> symptom, per check: qcore's open failures (FINDINGS.md).
-# Empty: the two found so far are fixed (FINDINGS.md keeps their history).
+# The first two found are fixed (FINDINGS.md keeps their history); the third shows
+# on CPUs with VNNI only, where qcore's x86 PT2E quantizer keeps 8-bit activations.
+_VNNI = not int8_products_saturate()
 KNOWN_FAILURES: dict[str, dict[tuple[str, str, str], str]] = {
     "succeeds": {},
-    "sqnr": {},
+    "sqnr": (
+        {
+            ("resnet", "pt2e", "x86"): (
+                "FINDINGS.md 3: on a VNNI CPU, x86's lowered conv kernels give 37.02 dB "
+                "where the reference form and torchao give 37.60"
+            )
+        }
+        if _VNNI
+        else {}
+    ),
     "coverage": {},
 }
 
