@@ -23,6 +23,7 @@ import torch
 from torch.fx import GraphModule
 
 from qcore.engine.explain import Entry, Report, Status, attach_report, report_of
+from qcore.kernels.packed import PackedWeights
 
 __all__ = ["LatencyChoice", "keep_faster", "measure_latency"]
 
@@ -74,7 +75,7 @@ def weighted_layers(converted: GraphModule) -> list[str]:
     names = []
     for node in converted.graph.nodes:
         if node.op == "call_module" and node.name in quantized:
-            if hasattr(converted.get_submodule(node.target), "_packed"):
+            if isinstance(converted.get_submodule(node.target), PackedWeights):
                 names.append(node.target)
     return names
 

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Interpreter, Node
 
-from qcore.algorithms.equalize import _is_observer, _layer
+from qcore.algorithms.layers import Layer, is_observer, layer_of, weighted_module
 from qcore.config.errors import describe
-from qcore.engine.reference import QParams, qparams_of
+from qcore.engine.reference import QParams, fake_quantize, qparams_of
 
 __all__ = ["CorrectedBias", "correct_bias", "corrected_biases"]
 
@@ -39,7 +39,7 @@ class CorrectedBias:
     relative_change: float
 
 
-def _weight_qparams(gm: GraphModule, node: Node) -> QParams | None:
+def _weight_qparams(gm: GraphModule, node: Node, layer: Layer) -> QParams | None:
     """The qparams convert will quantize ``node``'s weight with."""
     from qcore.engine.prepare import STATE_KEY
     from qcore.pt2e.prepare import PT2E_STATE_KEY
@@ -50,34 +50,19 @@ def _weight_qparams(gm: GraphModule, node: Node) -> QParams | None:
             return None  # QAT: training already adapts the bias to its fake-quantized weights
         for accepted in state.accepted:
             if accepted.root_name == node.name and accepted.qconfig.weight is not None:
-                layer = _layer(gm, node)
                 observer = accepted.qconfig.weight()
                 observer(layer.weight.detach())
                 return qparams_of(observer, full_range=True)
         return None
     if PT2E_STATE_KEY in gm.meta and node.op == "call_function":
         weight = node.args[1]
-        if isinstance(weight, Node) and _is_observer(gm, weight):
+        if isinstance(weight, Node) and is_observer(gm, weight):
             observer = gm.get_submodule(weight.target)
             if getattr(observer, "dtype", None) not in (torch.qint8, torch.quint8, torch.int8):
                 return None
-            observer(_layer(gm, node).weight.detach())  # a weight observer sees its constant
+            observer(layer.weight.detach())  # a weight observer sees its constant
             return qparams_of(observer, full_range=gm.meta[PT2E_STATE_KEY].full_range)
     return None
-
-
-def _fake_quantized(weight: torch.Tensor, qparams: QParams) -> torch.Tensor:
-    w = weight.detach().float()
-    if qparams.per_channel:
-        shape = [1] * w.dim()
-        shape[qparams.axis] = -1
-        scale = qparams.scale.reshape(shape).float()
-        zero_point = qparams.zero_point.reshape(shape).float()
-    else:
-        scale = qparams.scale.reshape(-1)[0].float()
-        zero_point = qparams.zero_point.reshape(-1)[0].float()
-    integer = torch.clamp(torch.round(w / scale) + zero_point, qparams.quant_min, qparams.quant_max)
-    return (integer - zero_point) * scale
 
 
 class _InputMeans(Interpreter):
@@ -142,21 +127,21 @@ def correct_bias(
             "qcore.prepare_pt2e, calibrated"
         )
     gm = copy.deepcopy(prepared)
-    watched: dict[Node, bool] = {}
+    layers: dict[Node, Layer] = {}
     qparams: dict[Node, QParams] = {}
     for node in gm.graph.nodes:
-        layer = _layer(gm, node)
+        layer = layer_of(gm, node)
         if layer is None or node.args[0] is None:
             continue
-        found = _weight_qparams(gm, node)
+        found = _weight_qparams(gm, node, layer)
         if found is not None:
-            watched[node], qparams[node] = layer.is_linear, found
-    if not watched:
+            layers[node], qparams[node] = layer, found
+    if not layers:
         gm.meta[_KEY] = ()
         return gm
     recorder = _InputMeans(copy.deepcopy(gm), {})
     by_name = {n.name: n for n in recorder.module.graph.nodes}
-    recorder.watched = {by_name[n.name]: is_linear for n, is_linear in watched.items()}
+    recorder.watched = {by_name[n.name]: layer.is_linear for n, layer in layers.items()}
     batches = 0
     with torch.no_grad():
         for args, kwargs in calibration_calls(prepared, calibration_data, input_fn):
@@ -171,11 +156,11 @@ def correct_bias(
         raise ValueError("calibration_data: got no batches; expected at least one")
     changes = []
     with torch.no_grad():
-        for node in watched:
+        for node, layer in layers.items():
             twin = by_name[node.name]
-            layer = _layer(gm, node)
             mean = recorder.sums[twin] / recorder.counts[twin]
-            delta = layer.weight.detach().float() - _fake_quantized(layer.weight, qparams[node])
+            _, dequantized = fake_quantize(layer.weight, qparams[node])
+            delta = (layer.weight.detach() - dequantized).float()
             shift = _shift(delta, mean, layer.groups, layer.is_linear).to(layer.weight.dtype)
             before = 0.0 if layer.bias is None else float(layer.bias.abs().max())
             if layer.bias is None:
@@ -190,9 +175,7 @@ def correct_bias(
 
 def _add_bias(gm: GraphModule, node: Node, bias: torch.Tensor) -> None:
     if node.op == "call_module":
-        from qcore.algorithms.equalize import _weighted_module
-
-        module = _weighted_module(gm.get_submodule(node.target))
+        module = weighted_module(gm.get_submodule(node.target))
         module.bias = torch.nn.Parameter(bias.clone(), requires_grad=False)
         return
     name = f"{node.name}_corrected_bias"

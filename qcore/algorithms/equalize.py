@@ -21,24 +21,17 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
 
+from qcore.algorithms.layers import Layer, is_observer, layer_of
 from qcore.config.errors import describe
 
 __all__ = ["EqualizedPair", "equalize", "equalized_pairs"]
 
 aten = torch.ops.aten
 
-_WEIGHTED_MODULES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear)
-_WEIGHTED_FUNCTIONS = {
-    aten.conv1d.default: "conv",
-    aten.conv2d.default: "conv",
-    aten.conv3d.default: "conv",
-    aten.linear.default: "linear",
-}
 _RELU = {torch.relu, torch.nn.functional.relu, aten.relu.default, aten.relu_.default, "relu"}
 _RELU6 = {torch.nn.functional.relu6, aten.relu6.default, aten.hardtanh.default}
 
@@ -55,74 +48,9 @@ class EqualizedPair:
     largest_after: float
 
 
-@dataclass
-class _Layer:
-    """A weighted op's tensors, wherever the graph keeps them."""
-
-    name: str
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    groups: int
-    is_linear: bool
-
-
-def _weighted_module(module: torch.nn.Module) -> torch.nn.Module | None:
-    if isinstance(module, _WEIGHTED_MODULES):
-        return module
-    # fused modules (ConvReLU2d, LinearReLU): the weighted op is their child "0"
-    if (
-        isinstance(module, torch.nn.Sequential)
-        and len(module)
-        and isinstance(module[0], _WEIGHTED_MODULES)
-    ):
-        if all(isinstance(m, torch.nn.ReLU) for m in list(module)[1:]):
-            return module[0]
-    return None
-
-
-def _is_observer(gm: GraphModule, node: Node) -> bool:
-    if node.op != "call_module":
-        return False
-    module = gm.get_submodule(node.target)
-    return hasattr(module, "calculate_qparams") or type(module).__name__.endswith("Observer")
-
-
-def _get_attr(gm: GraphModule, node: Any) -> torch.Tensor | None:
-    """The tensor a (possibly observed) get_attr node reads, or None."""
-    while isinstance(node, Node) and _is_observer(gm, node):
-        node = node.args[0]
-    if not isinstance(node, Node) or node.op != "get_attr":
-        return None
-    value: Any = gm
-    for part in node.target.split("."):
-        value = getattr(value, part)
-    return value if isinstance(value, torch.Tensor) else None
-
-
-def _layer(gm: GraphModule, node: Node) -> _Layer | None:
-    if node.op == "call_module":
-        module = _weighted_module(gm.get_submodule(node.target))
-        if module is None or module.weight is None:
-            return None
-        groups, is_linear = getattr(module, "groups", 1), isinstance(module, torch.nn.Linear)
-        return _Layer(node.name, module.weight, module.bias, groups, is_linear)
-    kind = _WEIGHTED_FUNCTIONS.get(node.target) if node.op == "call_function" else None
-    if kind is None or len(node.args) < 2:
-        return None
-    weight = _get_attr(gm, node.args[1])
-    bias_arg = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-    bias = _get_attr(gm, bias_arg) if bias_arg is not None else None
-    if weight is None or (bias_arg is not None and bias is None):
-        return None
-    groups = 1
-    if kind == "conv":
-        groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
-    return _Layer(node.name, weight, bias, int(groups), kind == "linear")
-
-
 def _passes_through(gm: GraphModule, node: Node, relu6_to_relu: bool) -> str | None:
     """ "observer", "relu", "relu6" for a node a chain may cross, else None."""
-    if _is_observer(gm, node):
+    if is_observer(gm, node):
         return "observer"
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
@@ -149,7 +77,7 @@ def _next_layer(gm: GraphModule, node: Node, relu6_to_relu: bool) -> tuple[Node,
         if len(users) != 1:
             return None
         (user,) = users
-        if _layer(gm, user) is not None:
+        if layer_of(gm, user) is not None:
             return (user, relu6s) if user.args and user.args[0] is current else None
         kind = _passes_through(gm, user, relu6_to_relu)
         if kind is None or user.args[0] is not current:
@@ -159,11 +87,11 @@ def _next_layer(gm: GraphModule, node: Node, relu6_to_relu: bool) -> tuple[Node,
         current = user
 
 
-def _output_ranges(layer: _Layer) -> torch.Tensor:
+def _output_ranges(layer: Layer) -> torch.Tensor:
     return layer.weight.detach().abs().flatten(1).amax(1)
 
 
-def _input_ranges(layer: _Layer, channels: int) -> torch.Tensor | None:
+def _input_ranges(layer: Layer, channels: int) -> torch.Tensor | None:
     """Per input channel of ``layer``: its largest absolute weight."""
     weight = layer.weight.detach().abs()
     if layer.is_linear or layer.groups == 1:
@@ -175,7 +103,7 @@ def _input_ranges(layer: _Layer, channels: int) -> torch.Tensor | None:
     return None
 
 
-def _scale_input_channels(layer: _Layer, scale: torch.Tensor) -> None:
+def _scale_input_channels(layer: Layer, scale: torch.Tensor) -> None:
     weight = layer.weight.data
     shape = [1] * weight.dim()
     if layer.is_linear or layer.groups == 1:
@@ -190,7 +118,7 @@ def _spread(ranges: torch.Tensor) -> float:
     return float(positive.max() / positive.min()) if positive.numel() else 1.0
 
 
-def _equalize_pair(first: _Layer, second: _Layer) -> EqualizedPair | None:
+def _equalize_pair(first: Layer, second: Layer) -> EqualizedPair | None:
     r1 = _output_ranges(first)
     r2 = _input_ranges(second, r1.numel())
     if r2 is None:
@@ -260,7 +188,7 @@ def equalize(
         raise TypeError(f"relu6_to_relu: got {describe(relu6_to_relu)}; expected True or False")
     _check_uncalibrated(prepared)
     gm = copy.deepcopy(prepared)
-    layers = {node: _layer(gm, node) for node in gm.graph.nodes}
+    layers = {node: layer_of(gm, node) for node in gm.graph.nodes}
     layers = {node: layer for node, layer in layers.items() if layer is not None}
     # A weight two ops read (a module called twice) cannot be rescaled for one of them.
     readers: dict[int, int] = {}

@@ -17,7 +17,7 @@ import torch
 
 from qcore import ops
 
-__all__ = ["QParams", "ReferenceModule", "qparams_of", "weight_names"]
+__all__ = ["QParams", "ReferenceModule", "fake_quantize", "qparams_of", "weight_names"]
 
 _PER_CHANNEL = (
     torch.per_channel_affine,
@@ -90,7 +90,7 @@ def qparams_of(observer: Any, *, full_range: bool = False) -> QParams:
     return QParams(scale, zero_point, dtype, quant_min, quant_max, qscheme, axis)
 
 
-def _fake_quantize(tensor: torch.Tensor, qparams: QParams) -> tuple[torch.Tensor, torch.Tensor]:
+def fake_quantize(tensor: torch.Tensor, qparams: QParams) -> tuple[torch.Tensor, torch.Tensor]:
     """(integer tensor, dequantized float tensor)."""
     if qparams.dtype == torch.float16:
         half = tensor.detach().to(torch.float16)
@@ -140,7 +140,7 @@ class ReferenceModule(torch.nn.Module):
         for index, (name, qparams) in enumerate(self.weight_qparams.items()):
             owner_name, _, attr = name.rpartition(".")
             owner = self.module.get_submodule(owner_name) if owner_name else self.module
-            integer, dequantized = _fake_quantize(getattr(owner, attr), qparams)
+            integer, dequantized = fake_quantize(getattr(owner, attr), qparams)
             self.register_buffer(f"weight_int_{index}", integer)
             setattr(owner, attr, torch.nn.Parameter(dequantized, requires_grad=False))
         if isinstance(self.module, torch.nn.RNNBase):

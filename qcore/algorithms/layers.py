@@ -1,0 +1,94 @@
+"""Where a prepared graph keeps a conv's or linear's tensors, FX or PT2E.
+
+FX calls a module (or a fused one, whose child "0" holds the weights); PT2E calls
+an aten op whose weight and bias are (observed) get_attr nodes. The passes of
+``qcore.algorithms`` read and rescale them through :func:`layer_of`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+__all__ = ["Layer", "is_observer", "layer_of", "weighted_module"]
+
+aten = torch.ops.aten
+
+_WEIGHTED_MODULES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear)
+_WEIGHTED_FUNCTIONS = {
+    aten.conv1d.default: "conv",
+    aten.conv2d.default: "conv",
+    aten.conv3d.default: "conv",
+    aten.linear.default: "linear",
+}
+
+
+@dataclass
+class Layer:
+    """A weighted op's tensors, wherever the graph keeps them."""
+
+    name: str
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    groups: int
+    is_linear: bool
+
+
+def weighted_module(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The conv/linear a module runs: itself, or a fused module's child "0"."""
+    if isinstance(module, _WEIGHTED_MODULES):
+        return module
+    # fused modules (ConvReLU2d, LinearReLU): the weighted op is their child "0"
+    if (
+        isinstance(module, torch.nn.Sequential)
+        and len(module)
+        and isinstance(module[0], _WEIGHTED_MODULES)
+    ):
+        if all(isinstance(m, torch.nn.ReLU) for m in list(module)[1:]):
+            return module[0]
+    return None
+
+
+def is_observer(gm: GraphModule, node: Node) -> bool:
+    """``node`` calls an observer or fake-quant module."""
+    if node.op != "call_module":
+        return False
+    module = gm.get_submodule(node.target)
+    return hasattr(module, "calculate_qparams") or type(module).__name__.endswith("Observer")
+
+
+def _get_attr(gm: GraphModule, node: Any) -> torch.Tensor | None:
+    """The tensor a (possibly observed) get_attr node reads, or None."""
+    while isinstance(node, Node) and is_observer(gm, node):
+        node = node.args[0]
+    if not isinstance(node, Node) or node.op != "get_attr":
+        return None
+    value: Any = gm
+    for part in node.target.split("."):
+        value = getattr(value, part)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def layer_of(gm: GraphModule, node: Node) -> Layer | None:
+    """The conv/linear ``node`` runs (an FX module call or a PT2E aten op), or None."""
+    if node.op == "call_module":
+        module = weighted_module(gm.get_submodule(node.target))
+        if module is None or module.weight is None:
+            return None
+        groups, is_linear = getattr(module, "groups", 1), isinstance(module, torch.nn.Linear)
+        return Layer(node.name, module.weight, module.bias, groups, is_linear)
+    kind = _WEIGHTED_FUNCTIONS.get(node.target) if node.op == "call_function" else None
+    if kind is None or len(node.args) < 2:
+        return None
+    weight = _get_attr(gm, node.args[1])
+    bias_arg = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    bias = _get_attr(gm, bias_arg) if bias_arg is not None else None
+    if weight is None or (bias_arg is not None and bias is None):
+        return None
+    groups = 1
+    if kind == "conv":
+        groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
+    return Layer(node.name, weight, bias, int(groups), kind == "linear")
