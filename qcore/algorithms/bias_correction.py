@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Interpreter, Node
 
-from qcore.algorithms.layers import Layer, is_observer, layer_of, weighted_module
+from qcore.algorithms.layers import Layer, layer_of, weight_qparams, weighted_module
 from qcore.config.errors import describe
-from qcore.engine.reference import QParams, fake_quantize, qparams_of
+from qcore.engine.reference import QParams, fake_quantize
 
 __all__ = ["CorrectedBias", "correct_bias", "corrected_biases"]
 
@@ -37,32 +37,6 @@ class CorrectedBias:
     layer: str
     largest_change: float
     relative_change: float
-
-
-def _weight_qparams(gm: GraphModule, node: Node, layer: Layer) -> QParams | None:
-    """The qparams convert will quantize ``node``'s weight with."""
-    from qcore.engine.prepare import STATE_KEY
-    from qcore.pt2e.prepare import PT2E_STATE_KEY
-
-    if STATE_KEY in gm.meta and node.op == "call_module":
-        state = gm.meta[STATE_KEY]
-        if hasattr(gm.get_submodule(node.target), "weight_fake_quant"):
-            return None  # QAT: training already adapts the bias to its fake-quantized weights
-        for accepted in state.accepted:
-            if accepted.root_name == node.name and accepted.qconfig.weight is not None:
-                observer = accepted.qconfig.weight()
-                observer(layer.weight.detach())
-                return qparams_of(observer, full_range=True)
-        return None
-    if PT2E_STATE_KEY in gm.meta and node.op == "call_function":
-        weight = node.args[1]
-        if isinstance(weight, Node) and is_observer(gm, weight):
-            observer = gm.get_submodule(weight.target)
-            if getattr(observer, "dtype", None) not in (torch.qint8, torch.quint8, torch.int8):
-                return None
-            observer(layer.weight.detach())  # a weight observer sees its constant
-            return qparams_of(observer, full_range=gm.meta[PT2E_STATE_KEY].full_range)
-    return None
 
 
 class _InputMeans(Interpreter):
@@ -133,7 +107,7 @@ def correct_bias(
         layer = layer_of(gm, node)
         if layer is None or node.args[0] is None:
             continue
-        found = _weight_qparams(gm, node, layer)
+        found = weight_qparams(gm, node, layer)
         if found is not None:
             layers[node], qparams[node] = layer, found
     if not layers:

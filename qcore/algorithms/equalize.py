@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from qcore.algorithms.layers import Layer, is_observer, layer_of
+from qcore.algorithms.layers import Layer, check_uncalibrated, is_observer, layer_of
 from qcore.config.errors import describe
 
 __all__ = ["EqualizedPair", "equalize", "equalized_pairs"]
@@ -135,17 +135,6 @@ def _equalize_pair(first: Layer, second: Layer) -> EqualizedPair | None:
     return EqualizedPair(first.name, second.name, before, _spread(_output_ranges(first)))
 
 
-def _check_uncalibrated(gm: GraphModule) -> None:
-    for name, module in gm.named_modules():
-        min_val = getattr(module, "min_val", None)
-        if isinstance(min_val, torch.Tensor) and min_val.numel() and torch.isfinite(min_val).any():
-            raise ValueError(
-                f"model: observer {name!r} has already seen data; equalize rescales the "
-                "activations it observes: call qcore.equalize on the prepared model before "
-                "calibration"
-            )
-
-
 def _replace_relu6(gm: GraphModule, nodes: list[Node]) -> None:
     for node in nodes:
         if node.op == "call_module":
@@ -186,7 +175,7 @@ def equalize(
         raise ValueError(f"iterations: got {describe(iterations)}; expected an int >= 1")
     if not isinstance(relu6_to_relu, bool):
         raise TypeError(f"relu6_to_relu: got {describe(relu6_to_relu)}; expected True or False")
-    _check_uncalibrated(prepared)
+    check_uncalibrated(prepared, "equalize rescales the activations it observes")
     gm = copy.deepcopy(prepared)
     layers = {node: layer_of(gm, node) for node in gm.graph.nodes}
     layers = {node: layer for node, layer in layers.items() if layer is not None}

@@ -7,13 +7,26 @@ an aten op whose weight and bias are (observed) get_attr nodes. The passes of
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule, Interpreter, Node
 
-__all__ = ["Layer", "is_observer", "layer_of", "weighted_module"]
+from qcore.engine.reference import QParams, qparams_of
+
+__all__ = [
+    "InputRecorder",
+    "Layer",
+    "check_uncalibrated",
+    "is_observer",
+    "layer_name",
+    "layer_of",
+    "unobserved",
+    "weight_qparams",
+    "weighted_module",
+]
 
 aten = torch.ops.aten
 
@@ -62,8 +75,7 @@ def is_observer(gm: GraphModule, node: Node) -> bool:
 
 def _get_attr(gm: GraphModule, node: Any) -> torch.Tensor | None:
     """The tensor a (possibly observed) get_attr node reads, or None."""
-    while isinstance(node, Node) and is_observer(gm, node):
-        node = node.args[0]
+    node = unobserved(gm, node)
     if not isinstance(node, Node) or node.op != "get_attr":
         return None
     value: Any = gm
@@ -92,3 +104,74 @@ def layer_of(gm: GraphModule, node: Node) -> Layer | None:
     if kind == "conv":
         groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
     return Layer(node.name, weight, bias, int(groups), kind == "linear")
+
+
+def unobserved(gm: GraphModule, node: Any) -> Any:
+    """``node`` with the observers in front of it skipped: the op producing the value."""
+    while isinstance(node, Node) and is_observer(gm, node):
+        node = node.args[0]
+    return node
+
+
+def layer_name(gm: GraphModule, node: Node) -> str:
+    """The name a user knows a layer by: its module's path (FX: the module called;
+    PT2E: the module its weight came from, as in ``model.state_dict()``)."""
+    if node.op == "call_module":
+        return str(node.target)
+    weight = unobserved(gm, node.args[1])
+    if isinstance(weight, Node) and weight.op == "get_attr":
+        return str(weight.target).removesuffix(".weight")
+    return node.name
+
+
+def weight_qparams(gm: GraphModule, node: Node, layer: Layer) -> QParams | None:
+    """The qparams convert will quantize ``node``'s weight with: the QConfig's weight
+    observer run on the weight (FX), the graph's weight observer (PT2E; it observes
+    the weight here). None where convert keeps the weight float, or for QAT modules
+    (training already adapts to their fake-quantized weights)."""
+    from qcore.engine.prepare import STATE_KEY
+    from qcore.pt2e.prepare import PT2E_STATE_KEY
+
+    if STATE_KEY in gm.meta and node.op == "call_module":
+        state = gm.meta[STATE_KEY]
+        if hasattr(gm.get_submodule(node.target), "weight_fake_quant"):
+            return None
+        for accepted in state.accepted:
+            if accepted.root_name == node.name and accepted.qconfig.weight is not None:
+                observer = accepted.qconfig.weight()
+                observer(layer.weight.detach())
+                return qparams_of(observer, full_range=True)
+        return None
+    if PT2E_STATE_KEY in gm.meta and node.op == "call_function":
+        weight = node.args[1]
+        if isinstance(weight, Node) and is_observer(gm, weight):
+            observer = gm.get_submodule(weight.target)
+            if getattr(observer, "dtype", None) not in (torch.qint8, torch.quint8, torch.int8):
+                return None
+            observer(layer.weight.detach())  # a weight observer sees its constant
+            return qparams_of(observer, full_range=gm.meta[PT2E_STATE_KEY].full_range)
+    return None
+
+
+def check_uncalibrated(gm: GraphModule, what: str) -> None:
+    """Refuse a model whose observers have seen data: ``what`` changes what they observe."""
+    for name, module in gm.named_modules():
+        min_val = getattr(module, "min_val", None)
+        if isinstance(min_val, torch.Tensor) and min_val.numel() and torch.isfinite(min_val).any():
+            raise ValueError(
+                f"model: observer {name!r} has already seen data; {what}: call it on the "
+                "prepared model before calibration"
+            )
+
+
+class InputRecorder(Interpreter):
+    """Runs a graph, handing each watched node's first input to its callback."""
+
+    def __init__(self, gm: GraphModule, watched: dict[Node, Callable[[torch.Tensor], None]]):
+        super().__init__(gm)
+        self.watched = watched
+
+    def run_node(self, node: Node) -> Any:
+        if node in self.watched:
+            self.watched[node](self.env[node.args[0]].detach())
+        return super().run_node(node)
