@@ -398,6 +398,7 @@ def quantize(
     *,
     input_fn: Callable[[Any], Any] | None = None,
     keep_float_if_slower: bool = False,
+    accuracy_budget: Any = None,
 ) -> GraphModule:
     """Post-training quantization in one call: prepare, calibrate, convert.
 
@@ -420,19 +421,42 @@ def quantize(
     the fastest (``qcore.latency``); ``qcore.explain`` gives each layer kept float
     with both timings. It converts once per conv/linear: opt-in, for deployment.
 
+    ``accuracy_budget`` keeps the fewest conv/linear layers float that bring the
+    model within a budget (``qcore.accuracy``): ``qcore.MinSQNR(db=30.0)`` (or just
+    ``30.0``), SQNR against the float model on the calibration data or its
+    ``eval_data``; or ``qcore.MetricBudget(metric, max_drop=0.01)`` with
+    ``metric(model, eval_data) -> float`` as NNCF's ``validation_fn``. Layers are
+    ranked by how much keeping each alone float helps, kept float in that order
+    until the budget is met, then each tried int8 again: with N conv/linear layers,
+    at most 2N + k(k+1)/2 conversions for k kept float (one when the budget is met
+    as is). ``qcore.explain`` gives each kept layer the measure with it float and
+    int8. Where nothing meets the budget, it warns (``qcore.AccuracyBudgetNotMet``)
+    and returns the closest model, as NNCF does.
+
     Example::
 
         >>> loader = torch.utils.data.DataLoader(dataset, batch_size=8)  # yields [x, y]
         >>> quantized = qcore.quantize(model, (torch.randn(1, 16),), loader, backend="x86")
         >>> quantized = qcore.quantize(model, (x,), records, backend="x86",
         ...                            input_fn=lambda record: record["image"])
+        >>> quantized = qcore.quantize(model, (x,), loader, backend="x86",
+        ...                            accuracy_budget=qcore.MinSQNR(db=30.0))
     """
+    from qcore import accuracy
     from qcore.calibration import calibration_calls
 
     if not isinstance(keep_float_if_slower, bool):
         raise TypeError(
             f"keep_float_if_slower: got {describe(keep_float_if_slower)}; expected True or False"
         )
+    budget = accuracy.as_budget(accuracy_budget)
+    if budget is not None:
+        if keep_float_if_slower:
+            raise ValueError(
+                "keep_float_if_slower=True and accuracy_budget: pass one of them; each "
+                "chooses which layers stay float by its own measure"
+            )
+        calibration_data = list(calibration_data)  # iterated once per candidate
     if keep_float_if_slower:
         calibration_data = list(calibration_data)  # iterated once per candidate
 
@@ -444,7 +468,7 @@ def quantize(
         return convert_fx(prepared)
 
     converted = build(qconfig_mapping)
-    if not keep_float_if_slower:
+    if not keep_float_if_slower and budget is None:
         return converted
     from qcore import latency
 
@@ -458,6 +482,12 @@ def quantize(
             mapping.set_module_name(name, None)
         return build(mapping)
 
+    if budget is not None:
+        return accuracy.keep_float_for_budget(
+            build_keeping_float,
+            latency.weighted_layers(converted),
+            accuracy.gauge_for(budget, model, calibration_data, input_fn),
+        )
     inputs = _check_inputs(example_inputs)
     return latency.keep_faster(
         build_keeping_float, latency.weighted_layers(converted), latency.measure_latency(inputs)

@@ -2,16 +2,21 @@
 
 ``equalize``: cross-layer equalization (before calibration).
 ``correct_bias``: fast bias correction (after calibration).
+``smooth_quant``: SmoothQuant for linear layers (before calibration).
 """
 
 from qcore.algorithms.bias_correction import CorrectedBias, correct_bias, corrected_biases
 from qcore.algorithms.equalize import EqualizedPair, equalize, equalized_pairs
+from qcore.algorithms.smoothquant import SmoothedLayers, smooth_quant, smoothed_layers
 
 __all__ = [
     "CorrectedBias",
     "EqualizedPair",
+    "SmoothedLayers",
     "correct_bias",
     "corrected_biases",
     "equalize",
     "equalized_pairs",
+    "smooth_quant",
+    "smoothed_layers",
 ]

@@ -7,6 +7,7 @@ an aten op whose weight and bias are (observed) get_attr nodes. The passes of
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ __all__ = [
     "is_observer",
     "layer_name",
     "layer_of",
+    "tensor_of",
     "unobserved",
     "weight_qparams",
     "weighted_module",
@@ -73,7 +75,7 @@ def is_observer(gm: GraphModule, node: Node) -> bool:
     return hasattr(module, "calculate_qparams") or type(module).__name__.endswith("Observer")
 
 
-def _get_attr(gm: GraphModule, node: Any) -> torch.Tensor | None:
+def tensor_of(gm: GraphModule, node: Any) -> torch.Tensor | None:
     """The tensor a (possibly observed) get_attr node reads, or None."""
     node = unobserved(gm, node)
     if not isinstance(node, Node) or node.op != "get_attr":
@@ -95,9 +97,9 @@ def layer_of(gm: GraphModule, node: Node) -> Layer | None:
     kind = _WEIGHTED_FUNCTIONS.get(node.target) if node.op == "call_function" else None
     if kind is None or len(node.args) < 2:
         return None
-    weight = _get_attr(gm, node.args[1])
+    weight = tensor_of(gm, node.args[1])
     bias_arg = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-    bias = _get_attr(gm, bias_arg) if bias_arg is not None else None
+    bias = tensor_of(gm, bias_arg) if bias_arg is not None else None
     if weight is None or (bias_arg is not None and bias is None):
         return None
     groups = 1
@@ -124,10 +126,13 @@ def layer_name(gm: GraphModule, node: Node) -> str:
     return node.name
 
 
-def weight_qparams(gm: GraphModule, node: Node, layer: Layer) -> QParams | None:
+def weight_qparams(
+    gm: GraphModule, node: Node, layer: Layer, *, fresh: bool = False
+) -> QParams | None:
     """The qparams convert will quantize ``node``'s weight with: the QConfig's weight
     observer run on the weight (FX), the graph's weight observer (PT2E; it observes
-    the weight here). None where convert keeps the weight float, or for QAT modules
+    the weight here, unless ``fresh``: then a copy of it does, and the graph's stays
+    as it was). None where convert keeps the weight float, or for QAT modules
     (training already adapts to their fake-quantized weights)."""
     from qcore.engine.prepare import STATE_KEY
     from qcore.pt2e.prepare import PT2E_STATE_KEY
@@ -146,6 +151,8 @@ def weight_qparams(gm: GraphModule, node: Node, layer: Layer) -> QParams | None:
         weight = node.args[1]
         if isinstance(weight, Node) and is_observer(gm, weight):
             observer = gm.get_submodule(weight.target)
+            if fresh:
+                observer = copy.deepcopy(observer)
             if getattr(observer, "dtype", None) not in (torch.qint8, torch.quint8, torch.int8):
                 return None
             observer(layer.weight.detach())  # a weight observer sees its constant
