@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 import torch
 
+from qcore.accuracy import sqnr
 from qcore.config.errors import QCoreWarning
 from qcore.engine.explain import WIDTH, brief
 from qcore.examples import EVAL_SEED, ZOO, ZooEntry, export_batch_free
@@ -49,14 +50,6 @@ class DemoResult:
     @property
     def speedup(self) -> float:
         return self.float_ms / self.int8_ms if self.int8_ms else float("nan")
-
-
-def sqnr(reference: torch.Tensor, actual: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB."""
-    noise = (reference - actual).norm()
-    if noise == 0:
-        return float("inf")
-    return float(20 * torch.log10(reference.norm() / noise))
 
 
 def _first_tensor(output: Any) -> torch.Tensor:

@@ -22,12 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule
 
-from qcore.engine.explain import Entry, Report, Status, attach_report, report_of
-from qcore.kernels.packed import PackedWeights
+from qcore.keep_float import Build, mark_kept_float, weighted_layers
 
-__all__ = ["LatencyChoice", "keep_faster", "measure_latency"]
+__all__ = ["LatencyChoice", "keep_faster", "measure_latency", "weighted_layers"]
 
-Build = Callable[[frozenset[str]], GraphModule]
 Measure = Callable[[torch.nn.Module], float]
 
 
@@ -68,18 +66,6 @@ def measure_latency(example_inputs: tuple, *, runs: int = 5, min_seconds: float 
     return measure
 
 
-def weighted_layers(converted: GraphModule) -> list[str]:
-    """Module names of the converted model's quantized conv/linear kernels, in order."""
-    report = report_of(converted)
-    quantized = {entry.node for entry in report.quantized} if report is not None else set()
-    names = []
-    for node in converted.graph.nodes:
-        if node.op == "call_module" and node.name in quantized:
-            if isinstance(converted.get_submodule(node.target), PackedWeights):
-                names.append(node.target)
-    return names
-
-
 def keep_faster(
     build: Build,
     candidates: Sequence[str],
@@ -111,23 +97,4 @@ def keep_faster(
         if seconds < best_seconds * (1 - margin):
             choices = {name: LatencyChoice(name, best_seconds, seconds) for name in candidates}
             best, best_seconds = all_float, seconds
-    return _explained(best, choices)
-
-
-def _explained(model: GraphModule, choices: dict[str, LatencyChoice]) -> GraphModule:
-    report = report_of(model)
-    if report is None or not choices:
-        return model
-    by_node = {
-        node.name: choices[node.target]
-        for node in model.graph.nodes
-        if node.op == "call_module" and node.target in choices
-    }
-    entries = [
-        Entry(e.node, e.op, Status.FLOAT, by_node[e.node].reason(), e.pattern)
-        if e.node in by_node
-        else e
-        for e in report.entries
-    ]
-    attach_report(model, Report(report.backend, entries))
-    return model
+    return mark_kept_float(best, {name: choice.reason() for name, choice in choices.items()})
