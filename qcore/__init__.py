@@ -67,6 +67,8 @@ _LAZY = {
     "compile": "qcore.compiling",
     "equalize": "qcore.algorithms",
     "correct_bias": "qcore.algorithms",
+    "smooth_quant": "qcore.algorithms",
+    "adaround": "qcore.algorithms",
     "MinSQNR": "qcore.accuracy",
     "MetricBudget": "qcore.accuracy",
     "AccuracyBudgetNotMet": "qcore.accuracy",

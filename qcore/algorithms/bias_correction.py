@@ -20,7 +20,13 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Interpreter, Node
 
-from qcore.algorithms.layers import Layer, layer_of, weight_qparams, weighted_module
+from qcore.algorithms.layers import (
+    Layer,
+    layer_of,
+    record_inputs,
+    weight_qparams,
+    weighted_module,
+)
 from qcore.config.errors import describe
 from qcore.engine.reference import QParams, fake_quantize
 
@@ -93,8 +99,6 @@ def correct_bias(
         >>> prepared = qcore.correct_bias(prepared, calibration_data)
         >>> quantized = qcore.convert_fx(prepared)
     """
-    from qcore.calibration import calibration_calls
-
     if not isinstance(prepared, GraphModule):
         raise TypeError(
             f"prepared: got {describe(prepared)}; expected a model from qcore.prepare_fx or "
@@ -116,18 +120,7 @@ def correct_bias(
     recorder = _InputMeans(copy.deepcopy(gm), {})
     by_name = {n.name: n for n in recorder.module.graph.nodes}
     recorder.watched = {by_name[n.name]: layer.is_linear for n, layer in layers.items()}
-    batches = 0
-    with torch.no_grad():
-        for args, kwargs in calibration_calls(prepared, calibration_data, input_fn):
-            if kwargs:
-                raise TypeError(
-                    "calibration_data: correct_bias runs the graph on positional inputs; "
-                    f"batch {batches} gave keyword arguments {sorted(kwargs)}"
-                )
-            recorder.run(*args)
-            batches += 1
-    if not batches:
-        raise ValueError("calibration_data: got no batches; expected at least one")
+    record_inputs(recorder, prepared, calibration_data, input_fn, "correct_bias")
     changes = []
     with torch.no_grad():
         for node, layer in layers.items():

@@ -21,9 +21,12 @@ __all__ = [
     "InputRecorder",
     "Layer",
     "check_uncalibrated",
+    "first_observed",
     "is_observer",
     "layer_name",
     "layer_of",
+    "record_inputs",
+    "single_use_layers",
     "tensor_of",
     "unobserved",
     "weight_qparams",
@@ -160,15 +163,23 @@ def weight_qparams(
     return None
 
 
-def check_uncalibrated(gm: GraphModule, what: str) -> None:
-    """Refuse a model whose observers have seen data: ``what`` changes what they observe."""
+def first_observed(gm: GraphModule) -> str | None:
+    """The name of the first observer of ``gm`` that has seen data, or None."""
     for name, module in gm.named_modules():
         min_val = getattr(module, "min_val", None)
         if isinstance(min_val, torch.Tensor) and min_val.numel() and torch.isfinite(min_val).any():
-            raise ValueError(
-                f"model: observer {name!r} has already seen data; {what}: call it on the "
-                "prepared model before calibration"
-            )
+            return name
+    return None
+
+
+def check_uncalibrated(gm: GraphModule, what: str) -> None:
+    """Refuse a model whose observers have seen data: ``what`` changes what they observe."""
+    name = first_observed(gm)
+    if name is not None:
+        raise ValueError(
+            f"model: observer {name!r} has already seen data; {what}: call it on the "
+            "prepared model before calibration"
+        )
 
 
 class InputRecorder(Interpreter):
@@ -182,3 +193,42 @@ class InputRecorder(Interpreter):
         if node in self.watched:
             self.watched[node](self.env[node.args[0]].detach())
         return super().run_node(node)
+
+
+def single_use_layers(gm: GraphModule) -> dict[Node, Layer]:
+    """Every conv/linear of ``gm`` whose weight no other op reads: a module called
+    twice cannot be changed for one of its calls."""
+    layers = {node: layer_of(gm, node) for node in gm.graph.nodes}
+    readers: dict[int, int] = {}
+    for layer in layers.values():
+        if layer is not None:
+            readers[id(layer.weight)] = readers.get(id(layer.weight), 0) + 1
+    return {
+        node: layer
+        for node, layer in layers.items()
+        if layer is not None and readers[id(layer.weight)] == 1
+    }
+
+
+def record_inputs(
+    recorder: Interpreter,
+    prepared: GraphModule,
+    calibration_data: Any,
+    input_fn: Callable[[Any], Any] | None,
+    what: str,
+) -> None:
+    """Runs ``recorder`` on each calibration batch (the forms ``qcore.quantize`` takes)."""
+    from qcore.calibration import calibration_calls
+
+    batches = 0
+    with torch.no_grad():
+        for args, kwargs in calibration_calls(prepared, calibration_data, input_fn):
+            if kwargs:
+                raise TypeError(
+                    f"calibration_data: {what} runs the graph on positional inputs; "
+                    f"batch {batches} gave keyword arguments {sorted(kwargs)}"
+                )
+            recorder.run(*args)
+            batches += 1
+    if not batches:
+        raise ValueError("calibration_data: got no batches; expected at least one")

@@ -37,6 +37,8 @@ from qcore.algorithms.layers import (
     is_observer,
     layer_name,
     layer_of,
+    record_inputs,
+    single_use_layers,
     tensor_of,
     unobserved,
     weight_qparams,
@@ -251,8 +253,6 @@ def smooth_quant(
         ...     prepared(*batch)
         >>> quantized = qcore.convert_pt2e(prepared)
     """
-    from qcore.calibration import calibration_calls
-
     if not isinstance(prepared, GraphModule):
         raise TypeError(
             f"prepared: got {describe(prepared)}; expected a model from qcore.prepare_fx or "
@@ -261,16 +261,11 @@ def smooth_quant(
     _check_alpha(alpha)
     check_uncalibrated(prepared, "smooth_quant rescales the activations it observes")
     gm = copy.deepcopy(prepared)
-    layers = {node: layer_of(gm, node) for node in gm.graph.nodes}
-    layers = {node: layer for node, layer in layers.items() if layer is not None}
-    readers: dict[int, int] = {}
-    for layer in layers.values():
-        readers[id(layer.weight)] = readers.get(id(layer.weight), 0) + 1
+    layers = single_use_layers(gm)
     candidates = [
         node
         for node, layer in layers.items()
         if layer.is_linear
-        and readers[id(layer.weight)] == 1
         and isinstance(node.args[0], Node)
         and is_observer(gm, node.args[0])  # the input is quantized
         and weight_qparams(gm, node, layer, fresh=True) is not None
@@ -316,18 +311,7 @@ def smooth_quant(
     twins = {n.name: n for n in recorder.module.graph.nodes}
     stats = {p: _Statistics(plans[p][0] == "search") for p in plans}
     recorder.watched = {twins[groups[p][0].name]: stats[p] for p in plans}
-    batches = 0
-    with torch.no_grad():
-        for args, kwargs in calibration_calls(prepared, calibration_data, input_fn):
-            if kwargs:
-                raise TypeError(
-                    "calibration_data: smooth_quant runs the graph on positional inputs; "
-                    f"batch {batches} gave keyword arguments {sorted(kwargs)}"
-                )
-            recorder.run(*args)
-            batches += 1
-    if not batches:
-        raise ValueError("calibration_data: got no batches; expected at least one")
+    record_inputs(recorder, prepared, calibration_data, input_fn, "smooth_quant")
     # the search's candidates go into a copy's weights, never the model's
     scratch = copy.deepcopy(gm) if any(w == "search" for w, _ in plans.values()) else gm
     with torch.no_grad():
