@@ -7,7 +7,9 @@ user reading a traceback from a config file knows which line to fix.
 from __future__ import annotations
 
 import math
+import os
 import reprlib
+import sys
 from typing import Any
 
 
@@ -73,3 +75,13 @@ def relocate(error: ConfigError, path: str, owner: str | None = None) -> ConfigE
 
 class QCoreWarning(UserWarning):
     """qcore's own warnings: few, grouped, each saying what to do."""
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn`` that points at the first frame outside
+    qcore: the user's prepare_fx, convert_fx or quantize call, not qcore's internals."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level

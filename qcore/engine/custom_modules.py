@@ -141,8 +141,7 @@ def swap_quantized(
                 module.activation_post_process = copy.deepcopy(observer)
             static_classes.append(quantized_class)
         _set_module(converted, call.target, quantized_class.from_observed(module))
-    converted.recompile()
-    return static_classes
+    return static_classes  # modules swapped, graph unchanged: its code stays valid
 
 
 def _runs_on_int8(match: KernelMatch) -> SameOp:
@@ -162,6 +161,8 @@ def custom_kernels(classes: list[type], engine: str) -> tuple[Kernel, ...]:
 def quantize_inputs_for(converted: GraphModule, classes: list[type], skip: set[str]) -> None:
     """Reference form: quantized custom modules (but the ``skip``ped, lowered ones) get
     torch quantized tensors, and give back float through ``dequantize``."""
+    if not classes:
+        return
     graph = converted.graph
     for node in list(graph.nodes):
         if node.op != "call_module" or node.name in skip:

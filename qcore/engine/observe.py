@@ -52,7 +52,9 @@ class DerivedObserver(torch.nn.Module):
 
     def __init__(self, spec: DerivedQuantizationSpec, sources: list[str]) -> None:
         super().__init__()
-        self.spec = spec
+        # Not the spec: its derived_from holds nodes of the annotated graph, which
+        # every copy of the prepared model (convert's among them) would copy too.
+        self.derive_qparams_fn = spec.derive_qparams_fn
         self.sources = sources
         self.dtype = spec.dtype
         self.quant_min, self.quant_max = spec.quant_min, spec.quant_max
@@ -65,12 +67,12 @@ class DerivedObserver(torch.nn.Module):
 
     def derive(self, root: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         observers = [root.get_submodule(name) for name in self.sources]
-        return self.spec.derive_qparams_fn(observers)
+        return self.derive_qparams_fn(observers)
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The derived qparams, for a derivation that reads this observer in turn
         (``x * 0.5`` of a derived ``x``): the sources are held since insertion."""
-        return self.spec.derive_qparams_fn(self.source_observers)
+        return self.derive_qparams_fn(self.source_observers)
 
 
 class _UnionFind:

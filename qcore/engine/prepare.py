@@ -7,8 +7,9 @@ and the explain entries.
 
 from __future__ import annotations
 
+import copy
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 from torch.utils._pytree import tree_map
 
 from qcore.config import BackendConfig, BackendPatternConfig, DTypeConfig
-from qcore.config.errors import QCoreWarning
+from qcore.config.errors import QCoreWarning, caller_stacklevel
 from qcore.engine.backend_annotator import Decision, annotate_with_backend_config, spec_from_ctr
 from qcore.engine.boundaries import output_values
 from qcore.engine.custom_modules import CustomCall, swap_observed
@@ -27,7 +28,6 @@ from qcore.engine.infer import inferred_tensor_nodes
 from qcore.engine.observe import insert_observers, name_observers_per_call
 from qcore.engine.qconfigs import assign_qconfigs, pattern_qconfig
 from qcore.engine.trace import CustomConfig, trace
-from qcore.observers.nonfinite import _caller_stacklevel
 from qcore.quantizer.spec import QuantizationAnnotation
 
 __all__ = ["STATE_KEY", "Accepted", "PreparedState", "prepare"]
@@ -77,6 +77,18 @@ class PreparedState:
     """Graph inputs and outputs that are torch quantized tensors once converted."""
     qconfig_mapping: Any = None
     """The mapping prepare assigned QConfigs from (convert accepts the same one again)."""
+
+    def __deepcopy__(self, memo: dict) -> PreparedState:
+        # The backend's config and kernels are the registry's (or the caller's) and
+        # never written to; copying them with every model copy (convert's among
+        # them) cost more than copying a small model's modules.
+        shared = {"backend_config": self.backend_config, "kernels": self.kernels}
+        copied = {
+            field.name: copy.deepcopy(getattr(self, field.name), memo)
+            for field in fields(self)
+            if field.name not in shared
+        }
+        return PreparedState(**shared, **copied)
 
 
 def _tensor_nodes(gm: GraphModule, example_inputs: tuple | None) -> set[Node]:
@@ -252,5 +264,5 @@ def _warn_skipped(report: Report, qconfigs: dict[Node, Any]) -> None:
         f"{report.backend!r} ({', '.join(kinds[:5])}{', ...' if len(kinds) > 5 else ''}). "
         "qcore.explain(model), on the model this call returns, gives the reason for each.",
         QCoreWarning,
-        stacklevel=_caller_stacklevel(),  # the user's prepare_fx, quantize, ... call
+        stacklevel=caller_stacklevel(),  # the user's prepare_fx, quantize, ... call
     )

@@ -9,7 +9,6 @@ weights live in their first child).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,14 +126,16 @@ class ReferenceModule(torch.nn.Module):
     """A float module running on dequantized weights, keeping the integer ones.
 
     ``original_type`` is the class of the module before conversion (e.g.
-    ``ConvReLU2d``): kernels are chosen by it.
+    ``ConvReLU2d``): kernels are chosen by it. ``module`` is taken over, its weights
+    replaced by their dequantized values: pass a copy to keep the original (convert
+    passes the modules of its own copy of the prepared model).
     """
 
     def __init__(
         self, module: torch.nn.Module, weight_qparams: dict[str, QParams], original_type: type
     ) -> None:
         super().__init__()
-        self.module = copy.deepcopy(module)
+        self.module = module
         self.original_type = original_type
         self.weight_qparams = dict(weight_qparams)
         for index, (name, qparams) in enumerate(self.weight_qparams.items()):

@@ -29,8 +29,6 @@ state_dict holding them) are an error at convert naming the node and the observe
 from __future__ import annotations
 
 import math
-import os
-import sys
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -38,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qcore.config.errors import QCoreWarning
+from qcore.config.errors import QCoreWarning, caller_stacklevel
 from qcore.observers.base import RANGE_LIMIT, UniformQuantizationObserverBase
 
 __all__ = [
@@ -190,15 +188,6 @@ def _observed_nodes(
     return observed
 
 
-def _caller_stacklevel() -> int:
-    """The stacklevel of the first frame outside qcore (the user's convert call)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 def check_observers(
     *graphs: tuple[str, torch.fx.GraphModule, Iterable[str]], stage: str = "convert"
 ) -> None:
@@ -254,5 +243,5 @@ def check_observers(
             "error: warnings.filterwarnings('error', "
             "category=qcore.observers.NonFiniteValuesWarning)",
             NonFiniteValuesWarning,
-            stacklevel=_caller_stacklevel(),
+            stacklevel=caller_stacklevel(),
         )
