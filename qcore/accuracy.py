@@ -3,9 +3,9 @@
 ``qcore.quantize(..., accuracy_budget=...)`` runs this module. The budget is
 one of:
 
-* :class:`MinSQNR`: the quantized model's outputs must be within ``db`` dB of
-  signal-to-quantization-noise ratio of the float model's, on the calibration
-  data or on ``eval_data``; a plain number ``30.0`` means ``MinSQNR(db=30.0)``;
+* :class:`MinSQNR`: the quantized model's outputs must have a signal-to-
+  quantization-noise ratio of at least ``db`` dB against the float model's, on
+  the calibration data or on ``eval_data``; a plain ``30.0`` means ``MinSQNR(db=30.0)``;
 * :class:`MetricBudget`: the user's metric, called as NNCF calls its
   ``validation_fn``: ``metric(model, eval_data) -> float``; the quantized model
   may score at most ``max_drop`` worse than the float model does.
@@ -13,7 +13,8 @@ one of:
 The search (NNCF's ``quantize_with_accuracy_control`` and Intel Neural
 Compressor's accuracy-driven tuning work alike): measure the converted model;
 rank each conv/linear layer by how much keeping it alone float improves the
-measure; keep layers float in that order until the budget is met; then try
+measure (a metric's ties, common with top-1 accuracy, by how much it improves
+the SQNR on the calibration data); keep layers float in that order until the budget is met; then try
 each kept layer int8 again, least sensitive first, and quantize it where the
 others already meet the budget, repeating until none can go. Explain gives each
 kept layer the measure with it float and with it int8.
@@ -195,6 +196,9 @@ class _Gauge:
     ) -> None:
         self.measure, self.threshold, self.sign = measure, threshold, sign
         self.name, self.number, self.budget = name, number, budget
+        # Ranks layers whose measures tie: a metric such as top-1 accuracy often
+        # moves only once several layers are float, and then every layer alone ties.
+        self.tiebreak: Callable[[torch.nn.Module], float] | None = None
 
     def show(self, value: float) -> str:
         return f"{self.name} {self.number(value)}"
@@ -261,18 +265,24 @@ def gauge_for(
 ) -> _Gauge:
     """``budget`` measured against the float ``model`` on its ``eval_data``, else
     on ``calibration_data`` (batches read as ``qcore.quantize`` reads them)."""
+    data = calibration_data if budget.eval_data is None else list(budget.eval_data)
+    if isinstance(budget, MinSQNR):
+        return sqnr_gauge(model, _calls(model, data, input_fn), float(budget.db))
+    gauge = metric_gauge(model, budget, data)  # eval_data in the metric's own form
+    gauge.tiebreak = sqnr_gauge(model, _calls(model, calibration_data, input_fn), 0.0).measure
+    return gauge
+
+
+def _calls(model: torch.nn.Module, data: Any, input_fn: Any) -> list[tuple[tuple, dict]]:
     from qcore.calibration import calibration_calls
 
-    data = calibration_data if budget.eval_data is None else list(budget.eval_data)
-    if isinstance(budget, MetricBudget):
-        return metric_gauge(model, budget, data)
     calls = list(calibration_calls(model, data, input_fn))
     if not calls:
         raise ValueError(
-            "accuracy_budget: no batches to measure SQNR on (the calibration data, or "
+            "accuracy_budget: no batches to measure on (the calibration data, or "
             "MinSQNR.eval_data, is empty)"
         )
-    return sqnr_gauge(model, calls, float(budget.db))
+    return calls
 
 
 def keep_float_for_budget(build: Build, candidates: Sequence[str], gauge: _Gauge) -> GraphModule:
@@ -286,13 +296,16 @@ def keep_float_for_budget(build: Build, candidates: Sequence[str], gauge: _Gauge
     (:class:`AccuracyBudgetNotMet`) and returns the best model measured.
     """
     values: dict[frozenset[str], float] = {}
+    ties: dict[frozenset[str], float] = {}
     meeting: dict[frozenset[str], GraphModule] = {}
     best: list[Any] = [None, -math.inf, None]  # kept, key, model
 
-    def measure(kept: frozenset[str]) -> float:
+    def measure(kept: frozenset[str], rank: bool = False) -> float:
         if kept not in values:
             model = build(kept)
             value = values[kept] = gauge.measure(model)
+            if rank and gauge.tiebreak is not None:
+                ties[kept] = gauge.tiebreak(model)
             if gauge.meets(value):
                 meeting[kept] = model
             if best[2] is None or gauge.key(value) > best[1]:
@@ -301,8 +314,10 @@ def keep_float_for_budget(build: Build, candidates: Sequence[str], gauge: _Gauge
 
     if gauge.meets(measure(frozenset())):
         return best[2]
-    gains = {name: gauge.key(measure(frozenset({name}))) for name in candidates}
-    ranked = sorted(candidates, key=lambda name: -gains[name])  # stable: ties in graph order
+    gains = {name: gauge.key(measure(frozenset({name}), rank=True)) for name in candidates}
+    ranked = sorted(  # stable: ties in graph order
+        candidates, key=lambda name: (-gains[name], -ties.get(frozenset({name}), 0.0))
+    )
     kept: list[str] = []
     for name in ranked:
         kept.append(name)
