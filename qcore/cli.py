@@ -299,7 +299,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
             return EXIT_UNKNOWN_BACKEND
         except BackendLoadError:
             pass  # the demo's row for it says what failed
-    results = run_demo(args.backend, args.model, args.path, batches=args.batches)
+    results = run_demo(
+        args.backend, args.model, args.path, batches=args.batches, min_sqnr=args.min_sqnr
+    )
     return EXIT_BROKEN_PLUGIN if any(result.error for result in results) else EXIT_OK
 
 
@@ -382,6 +384,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--path", action="append", choices=["fx", "pt2e"], help="only this path")
     demo.add_argument("--batches", type=int, default=8, help="calibration batches (default 8)")
+    demo.add_argument(
+        "--min-sqnr",
+        type=float,
+        metavar="DB",
+        help="also show the layers qcore.quantize(accuracy_budget=DB) keeps float on the FX "
+        "path for an SQNR of at least DB dB, and why (about two conversions per conv/linear)",
+    )
     demo.set_defaults(run=cmd_demo)
     check = commands.add_parser(
         "check",

@@ -3,7 +3,8 @@
 For each backend and model, on each path (FX graph mode; PT2E when qcore's
 PT2E path is available): operators quantized out of all, SQNR against float,
 float and int8 latency and the speedup, model size; then the explain report
-of whatever stayed in float.
+of whatever stayed in float. With a minimum SQNR (``--min-sqnr DB``), also the
+layers ``qcore.quantize(accuracy_budget=DB)`` keeps float on the FX path, and why.
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ class DemoResult:
     float_ops: dict[str, list[str]] = field(default_factory=dict)
     """What stayed in float: reason -> the nodes ("name (op)") it applies to."""
     error: str = ""
+    kept_float: dict[str, str] | None = None
+    """With a minimum SQNR: node -> why ``accuracy_budget`` kept it float; else None."""
+    budget_sqnr_db: float = float("nan")
+    """That model's SQNR, measured as ``sqnr_db`` is."""
+    budget_note: str = ""
+    """Why there is no such model ("FX only", the error), or "not met"."""
 
     @property
     def speedup(self) -> float:
@@ -179,16 +186,57 @@ def _measure(
     result.ops_quantized = len(report.quantized) + len(report.reference)
     for stayed in report.float:
         result.float_ops.setdefault(stayed.reason, []).append(f"{stayed.node} ({stayed.op})")
-    evals = entry.calibration_data(4, seed=EVAL_SEED)
-    with torch.no_grad():
-        scores = [sqnr(_first_tensor(model(*b)), _first_tensor(converted(*b))) for b in evals]
-    result.sqnr_db = statistics.mean(scores)
+    result.sqnr_db = _eval_sqnr(entry, model, converted)
     inputs = entry.example_inputs()
     result.float_ms = _latency_ms(model, inputs, repeats)
     result.int8_ms = _latency_ms(converted, inputs, repeats)
     result.float_bytes = _size_bytes(model)
     result.int8_bytes = _size_bytes(converted)
     return result
+
+
+def _eval_sqnr(entry: ZooEntry, model: torch.nn.Module, converted: torch.nn.Module) -> float:
+    """Mean SQNR against float over four held-out batches."""
+    evals = entry.calibration_data(4, seed=EVAL_SEED)
+    with torch.no_grad():
+        scores = [sqnr(_first_tensor(model(*b)), _first_tensor(converted(*b))) for b in evals]
+    return statistics.mean(scores)
+
+
+def _keep_float_for(result: DemoResult, entry: ZooEntry, batches: int, min_sqnr: float) -> None:
+    """``qcore.quantize(accuracy_budget=MinSQNR(min_sqnr))`` on the FX path: which
+    layers it keeps float, and the SQNR that model reaches."""
+    from qcore.accuracy import AccuracyBudgetNotMet, MinSQNR
+    from qcore.api import explain, quantize
+
+    result.kept_float = {}
+    if result.path != "fx":
+        result.budget_note = "FX only"
+        return
+    model = entry.make_model()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("ignore", QCoreWarning)
+            warnings.simplefilter("always", AccuracyBudgetNotMet)
+            chosen = quantize(
+                model,
+                entry.example_inputs(),
+                entry.calibration_data(batches),
+                result.backend,
+                _mapping(result.backend, entry),
+                accuracy_budget=MinSQNR(db=min_sqnr),
+            )
+    except Exception as error:  # one failure must not end the demo
+        result.budget_note = f"failed: {type(error).__name__}"
+        return
+    if any(issubclass(w.category, AccuracyBudgetNotMet) for w in caught):
+        result.budget_note = "not met"
+    result.kept_float = {
+        entry.node: entry.reason
+        for entry in explain(chosen).float
+        if entry.reason.startswith("kept float (accuracy budget")
+    }
+    result.budget_sqnr_db = _eval_sqnr(entry, model, chosen)
 
 
 def _demo_backends(requested: Iterable[str] | None) -> list[str]:
@@ -243,6 +291,16 @@ def _row(result: DemoResult) -> list[str]:
     ]
 
 
+def _budget_cell(result: DemoResult) -> str:
+    """The layers ``accuracy_budget`` kept float, and the SQNR it then reaches."""
+    if result.kept_float is None:
+        return ""
+    if result.budget_note and result.budget_note != "not met":
+        return result.budget_note
+    met = " (not met)" if result.budget_note else ""
+    return f"{len(result.kept_float)} -> {result.budget_sqnr_db:.1f} dB{met}"
+
+
 def format_results(results: list[DemoResult]) -> str:
     header = [
         "BACKEND",
@@ -256,6 +314,10 @@ def format_results(results: list[DemoResult]) -> str:
         "SIZE",
     ]
     rows = [header] + [_row(result) for result in results]
+    if any(result.kept_float is not None for result in results):
+        header.append("KEPT FLOAT")
+        for row, result in zip(rows[1:], results, strict=True):
+            row.append(_budget_cell(result))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
@@ -273,6 +335,19 @@ def _wrap(text: str, indent: str) -> str:
     )
 
 
+def _write_kept(results: list[DemoResult], min_sqnr: float, stream: TextIO) -> None:
+    stream.write(
+        f"\nKEPT FLOAT: layers qcore.quantize(accuracy_budget={min_sqnr:g}) keeps float for an "
+        "SQNR of at least that on the calibration data (the SQNR shown is on held-out data):\n"
+    )
+    for result in results:
+        if not result.kept_float:
+            continue
+        stream.write(f"  {result.backend} / {result.model} ({result.path}):\n")
+        for node, reason in result.kept_float.items():
+            stream.write(_wrap(f"{node}: {reason}", "    "))
+
+
 def run_demo(
     backends: Iterable[str] | None = None,
     models: Iterable[str] | None = None,
@@ -282,8 +357,14 @@ def run_demo(
     repeats: int = 20,
     stream: TextIO = sys.stdout,
     progress_stream: TextIO = sys.stderr,
+    min_sqnr: float | None = None,
 ) -> list[DemoResult]:
-    """Quantize the example models with each backend and path; print and return the results."""
+    """Quantize the example models with each backend and path; print and return the results.
+
+    ``min_sqnr``: also quantize each model on the FX path with
+    ``accuracy_budget=qcore.MinSQNR(min_sqnr)`` and show the layers it keeps float
+    (a column, and each layer's reason): about two conversions per conv/linear.
+    """
     names = _demo_backends(backends)
     entries = [ZOO[name] for name in (models or ZOO)]
     chosen_paths = list(paths) if paths else (["fx", "pt2e"] if pt2e_available() else ["fx"])
@@ -299,12 +380,21 @@ def run_demo(
         progress_stream.write(f"{name}:\n")
         for entry in entries:
             for path in chosen_paths:
-                results.append(_measure(name, entry, path, batches, repeats, progress_stream))
+                result = _measure(name, entry, path, batches, repeats, progress_stream)
+                if min_sqnr is not None and not result.error:
+                    if path == "fx":
+                        progress_stream.write(
+                            f"  keeping layers of {entry.name} float for SQNR >= {min_sqnr:g} dB\n"
+                        )
+                    _keep_float_for(result, entry, batches, min_sqnr)
+                results.append(result)
     stream.write(
         f"\nqcore demo: {len(names)} backend(s), torch {torch.__version__}, "
         f"{torch.get_num_threads()} thread(s)\n\n"
     )
     stream.write(format_results(results) + "\n")
+    if min_sqnr is not None:
+        _write_kept(results, min_sqnr, stream)
     floats = [r for r in results if r.float_ops]
     if floats:
         stream.write("\nWhat stayed in float, and why:\n")

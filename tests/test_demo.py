@@ -47,3 +47,46 @@ def test_demo_without_backends_says_what_to_install():
     result = demo()
     assert result.returncode == 0, result.stderr
     assert "pip install qcore-x86" in result.stdout
+
+
+@pytest.mark.skipif(not installed("x86"), reason="needs the x86 plugin")
+def test_demo_min_sqnr_shows_the_layers_kept_float_and_why():
+    import re
+    import warnings
+
+    import qcore
+    from qcore.demo import _mapping
+    from qcore.examples import ZOO
+
+    result = demo("--backend", "x86", "--model", "mlp", "--path", "fx", "--min-sqnr", "40")
+    assert result.returncode == 0, result.stderr
+    header = next(line for line in result.stdout.splitlines() if line.startswith("BACKEND"))
+    assert header.split()[-2:] == ["KEPT", "FLOAT"]
+    row = next(line for line in result.stdout.splitlines() if line.startswith("x86 "))
+    kept, held_out = re.search(r"(\d+) -> ([\d.]+) dB$", row).groups()
+    reasons = re.findall(
+        r"^    (\w+): kept float \(accuracy budget\): SQNR ([\d.]+) dB with it float, "
+        r"([\d.]+) dB int8; budget 40 dB$",
+        result.stdout,
+        re.MULTILINE,
+    )
+    assert len(reasons) == int(kept) > 0
+    for _, with_float, int8 in reasons:
+        assert float(with_float) >= 40 > float(int8)
+    assert float(held_out) > float(row.split()[7])  # above plain int8's SQNR column
+    # the same layers qcore.quantize keeps float in this process
+    entry = ZOO["mlp"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qcore.QCoreWarning)
+        chosen = qcore.quantize(
+            entry.make_model(),
+            entry.example_inputs(),
+            entry.calibration_data(8),
+            "x86",
+            _mapping("x86", entry),
+            accuracy_budget=40.0,
+        )
+    report = qcore.explain(chosen)
+    assert {node for node, _, _ in reasons} == {
+        e.node for e in report.float if e.reason.startswith("kept float (accuracy budget)")
+    }
