@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 from backends import backend_params, installed
-from test_vendor_constraints import POW2_QCONFIG, is_power_of_two, pow2_backend
+from test_vendor_constraints import POW2_QCONFIG, is_power_of_two, pow2_backend, sqnr
 
 import qcore
 from qcore.algorithms import adarounded_layers
@@ -93,11 +93,6 @@ def _integer_weights(converted, path: str) -> dict[str, tuple[torch.Tensor, torc
     return found
 
 
-def _sqnr(expected: torch.Tensor, actual: torch.Tensor) -> float:
-    noise = (expected - actual).pow(2).mean()
-    return (10 * torch.log10(expected.pow(2).mean() / noise)).item()
-
-
 def _backend() -> str:
     for name in ("qnnpack", "x86", "fbgemm"):
         if installed(name):
@@ -115,8 +110,8 @@ def test_adaround_lifts_sqnr_and_convert_gives_the_learned_integers(path, backen
     seconds = time.monotonic() - started
     with torch.no_grad():
         expected = model(_X)
-        plain_db = _sqnr(expected, _convert(prepared, path)(_X))
-        rounded_db = _sqnr(expected, _convert(rounded, path)(_X))
+        plain_db = sqnr(expected, _convert(prepared, path)(_X))
+        rounded_db = sqnr(expected, _convert(rounded, path)(_X))
     assert rounded_db >= plain_db + 2.0, (plain_db, rounded_db, seconds)
     results = {r.layer: r for r in adarounded_layers(rounded)}
     assert set(results) == {"conv", "fc"}
@@ -148,7 +143,7 @@ def test_power_of_two_scales_stay_as_the_backend_requires(path):
         assert torch.equal(integers, result.integers)
     with torch.no_grad():
         expected = model(_X)
-        assert _sqnr(expected, _convert(rounded, path)(_X)) > _sqnr(
+        assert sqnr(expected, _convert(rounded, path)(_X)) > sqnr(
             expected, _convert(prepared, path)(_X)
         )
 

@@ -1,0 +1,188 @@
+"""SmoothQuant (issue 17 §1): activation outlier channels move into the weights of
+the linears reading them, folded into the LayerNorm or linear producing them, on
+FX and PT2E prepared models; the float function stays, SQNR rises, the backend's
+constraints hold."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from backends import backend_params, installed
+from test_vendor_constraints import POW2_QCONFIG, is_power_of_two, pow2_backend, sqnr
+
+import qcore
+from qcore.algorithms import smoothed_layers
+from qcore.config.qconfig import QConfigMapping
+
+
+class Outliers(torch.nn.Module):
+    """LayerNorm -> q and k (one input, one s), q -> relu -> v (folds into q's rows),
+    and an add feeding out (which cannot absorb 1/s). The LayerNorm's weight makes
+    4 of 64 channels 50x larger than the rest, as in LLM activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.norm = torch.nn.LayerNorm(64)
+        self.q = torch.nn.Linear(64, 64)
+        self.k = torch.nn.Linear(64, 64)
+        self.v = torch.nn.Linear(64, 64)
+        self.out = torch.nn.Linear(64, 16)
+        with torch.no_grad():
+            for linear in (self.q, self.k, self.v, self.out):
+                linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator) * 0.1)
+                linear.bias.copy_(torch.randn(linear.bias.shape, generator=generator) * 0.1)
+            self.norm.weight.copy_(1 + 0.1 * torch.randn(64, generator=generator))
+            self.norm.weight[:4] = 50.0
+            self.norm.bias.copy_(0.1 * torch.randn(64, generator=generator))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return self.out(self.v(torch.relu(self.q(h))) + self.k(h))
+
+
+def _data(count: int = 4, seed: int = 1) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(32, 64, generator=generator) for _ in range(count)]
+
+
+_X = _data(1, seed=2)[0]
+
+
+def _prepared(model, path: str, backend):
+    example = (_data(1)[0],)
+    mapping = None if isinstance(backend, str) else QConfigMapping().set_global(POW2_QCONFIG)
+    if path == "fx" and mapping is None:
+        return qcore.prepare_fx(model, None, example, backend=backend)
+    if path == "fx":
+        return qcore.prepare_fx(model, mapping, example, backend)
+    exported = torch.export.export(model, example).module()
+    if mapping is None:
+        return qcore.prepare_pt2e(exported, backend)
+    from qcore.pt2e import BackendQuantizer
+
+    return qcore.prepare_pt2e(exported, BackendQuantizer(backend, mapping))
+
+
+def _quantized(prepared, path: str, *, lower: bool = True):
+    prepared = copy.deepcopy(prepared)
+    with torch.no_grad():
+        for batch in _data():
+            prepared(batch)
+    if path == "pt2e":
+        return qcore.convert_pt2e(prepared, lower=lower)
+    return qcore.convert_fx(prepared) if lower else qcore.convert_to_reference_fx(prepared)
+
+
+def _backend() -> str:
+    for name in ("x86", "fbgemm", "qnnpack"):
+        if installed(name):
+            return name
+    pytest.skip("needs a first-party backend")
+
+
+@pytest.mark.parametrize("path", ["fx", "pt2e"])
+@pytest.mark.parametrize("backend", backend_params())
+def test_float_function_stays_and_sqnr_rises(path, backend):
+    model = Outliers().eval()
+    prepared = _prepared(model, path, backend)
+    smoothed = qcore.smooth_quant(prepared, _data())
+    with torch.no_grad():  # uncalibrated observers pass values through: the float model
+        before, after = copy.deepcopy(prepared)(_X), copy.deepcopy(smoothed)(_X)
+    assert ((after - before).abs().max() / before.abs().max()).item() < 1e-5
+    groups = {group.layers: group for group in smoothed_layers(smoothed)}
+    assert groups[("q", "k")].alpha == 0.5
+    assert groups[("q", "k")].source in ("norm", "layer_norm")
+    assert groups[("q", "k")].spread_before > 5 * groups[("q", "k")].spread_after
+    assert groups[("v",)].alpha == 0.5 and groups[("v",)].source in ("q", "linear")
+    assert (
+        groups[("out",)].alpha is None
+        and "only a LayerNorm or a linear absorbs" in groups[("out",)].skipped
+    )
+    with torch.no_grad():
+        expected = model(_X)
+        plain_db = sqnr(expected, _quantized(prepared, path)(_X))
+        smoothed_db = sqnr(expected, _quantized(smoothed, path)(_X))
+    assert smoothed_db >= plain_db + 3.0, (plain_db, smoothed_db)
+
+
+@pytest.mark.parametrize("path", ["fx", "pt2e"])
+def test_search_picks_an_alpha_per_group_no_worse_than_the_default(path):
+    model = Outliers().eval()
+    prepared = _prepared(model, path, _backend())
+    default = qcore.smooth_quant(prepared, _data())
+    searched = qcore.smooth_quant(prepared, _data(), alpha="search")
+    alphas = {g.layers: g.alpha for g in smoothed_layers(searched) if g.alpha is not None}
+    assert set(alphas) == {("q", "k"), ("v",)}
+    assert all(a in qcore.algorithms.smoothquant.SEARCH_ALPHAS for a in alphas.values())
+    with torch.no_grad():
+        expected = model(_X)
+        default_db = sqnr(expected, _quantized(default, path)(_X))
+        searched_db = sqnr(expected, _quantized(searched, path)(_X))
+    assert searched_db >= default_db - 0.5, (default_db, searched_db)
+
+
+def test_alpha_per_layer_smooths_the_named_layers_alone():
+    prepared = _prepared(Outliers().eval(), "fx", _backend())
+    smoothed = qcore.smooth_quant(prepared, _data(), alpha={"q": 0.8, "k": 0.8})
+    done = {g.layers: g.alpha for g in smoothed_layers(smoothed)}
+    assert done == {("q", "k"): 0.8}
+    assert torch.equal(smoothed.v.weight, prepared.v.weight)
+    assert not torch.equal(smoothed.q.weight, prepared.q.weight)
+
+
+@pytest.mark.parametrize("path", ["fx", "pt2e"])
+def test_power_of_two_scales_stay_powers_of_two(path):
+    model = Outliers().eval()
+    prepared = _prepared(model, path, pow2_backend())
+    smoothed = qcore.smooth_quant(prepared, _data())
+    assert any(g.alpha is not None for g in smoothed_layers(smoothed))
+    converted = _quantized(smoothed, path, lower=False)
+    scales = []
+    for name, buffer in converted.named_buffers():
+        if name.endswith("scale"):
+            scales += buffer.flatten().tolist()
+    for node in converted.graph.nodes:
+        if "quantize_per_tensor" in str(node.target) and isinstance(node.args[1], float):
+            scales.append(node.args[1])
+    for module in converted.modules():
+        for qparams in getattr(module, "weight_qparams", {}).values():
+            scales += qparams.scale.flatten().tolist()
+    assert len(scales) >= 3 * 64 + 16, len(scales)  # per-channel weights of q, k, v and out
+    assert all(is_power_of_two(s) for s in scales)
+    with torch.no_grad():
+        expected = model(_X)
+        assert sqnr(expected, converted(_X)) > sqnr(expected, _quantized(prepared, path)(_X))
+
+
+def test_the_prepared_model_is_not_changed():
+    prepared = _prepared(Outliers().eval(), "pt2e", _backend())
+    before = {k: v.clone() for k, v in prepared.state_dict().items()}
+    smoothed = qcore.smooth_quant(prepared, _data())
+    assert all(torch.equal(v, prepared.state_dict()[k]) for k, v in before.items())
+    assert smoothed_layers(prepared) == ()
+    changed = sorted(k for k, v in smoothed.state_dict().items() if not torch.equal(v, before[k]))
+    assert changed == ["k.weight", "norm.bias", "norm.weight", "q.bias", "q.weight", "v.weight"]
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(TypeError, match=r"prepared: got .*Linear.*expected a model from qcore"):
+        qcore.smooth_quant(torch.nn.Linear(2, 2), [])
+    prepared = _prepared(Outliers().eval(), "fx", _backend())
+    for alpha in (1.5, -0.1, "best", True, {"q": 2.0}, {3: 0.5}):
+        with pytest.raises(ValueError, match=r"alpha: got .*expected a float from 0 to 1"):
+            qcore.smooth_quant(prepared, _data(), alpha=alpha)
+    with pytest.raises(ValueError, match=r"alpha: names no quantized linear.*'qq'.*'k', 'out'"):
+        qcore.smooth_quant(prepared, _data(), alpha={"qq": 0.5})
+    with pytest.raises(ValueError, match=r"linears \['q', 'k'\] share one input.*0.3, 0.6"):
+        qcore.smooth_quant(prepared, _data(), alpha={"q": 0.3, "k": 0.6})
+    with pytest.raises(ValueError, match=r"calibration_data: got no batches"):
+        qcore.smooth_quant(prepared, [])
+    with torch.no_grad():
+        prepared(_X)
+    with pytest.raises(
+        ValueError, match=r"has already seen data; smooth_quant.*before calibration"
+    ):
+        qcore.smooth_quant(prepared, _data())
