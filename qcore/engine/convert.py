@@ -196,12 +196,40 @@ def _replace_observer(gm: GraphModule, node: Node, observer: Any, full_range: bo
     graph.erase_node(node)
 
 
+def _copy_without_observers(prepared: GraphModule, observer_names: tuple[str, ...]) -> GraphModule:
+    """A deep copy of ``prepared`` sharing its observers, which convert only reads
+    and then replaces: copying their histograms was most of a large model's copy."""
+    memo: dict[int, Any] = {}
+    for name in observer_names:
+        observer = prepared.get_submodule(name)
+        memo[id(observer)] = observer
+    return copy.deepcopy(prepared, memo)
+
+
+def _release_observers(
+    gm: GraphModule, prepared: GraphModule, observer_names: tuple[str, ...]
+) -> None:
+    """Drop the shared observers the graph no longer calls and copy any it still
+    calls, so the converted model shares nothing with the prepared one (and later
+    passes, deleting unused submodules, never reach into the prepared model's)."""
+    called = {node.target for node in gm.graph.nodes if node.op == "call_module"}
+    for name in observer_names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = gm.get_submodule(parent_name) if parent_name else gm
+        if not hasattr(parent, attr):
+            continue  # a name the graph calls twice, released already
+        if name in called:
+            setattr(parent, attr, copy.deepcopy(prepared.get_submodule(name)))
+        else:
+            delattr(parent, attr)
+
+
 def convert_to_reference(prepared: GraphModule, *, full_range: bool = True) -> GraphModule:
     """A converted copy of ``prepared`` in reference form; ``prepared`` is left as is."""
     state = state_of(prepared)
     # NaN statistics are an error naming the node; skipped NaN/inf one warning
     check_observers(("", prepared, state.observer_names))
-    gm = copy.deepcopy(prepared)
+    gm = _copy_without_observers(prepared, state.observer_names)
     gm.eval()
     _swap_reference_modules(gm, state)
     _functional_linears_to_modules(gm, state)
@@ -211,6 +239,7 @@ def convert_to_reference(prepared: GraphModule, *, full_range: bool = True) -> G
         if node.op == "call_module" and node.target in observer_names:
             _replace_observer(gm, node, modules[node.target], full_range)
     gm.graph.eliminate_dead_code()
+    _release_observers(gm, prepared, state.observer_names)
     delete_unused_submodules(gm)
     gm.recompile()
     report: Report = report_of(gm)
