@@ -137,15 +137,16 @@ def _input_qparams(gm: GraphModule, node: Node) -> QParams | None:
 
 
 class _Inputs:
-    """A layer's recorded inputs, fake-quantized as its kernel would see them."""
+    """A layer's recorded float inputs, and how its kernel would see them."""
 
     def __init__(self, qparams: QParams | None) -> None:
-        self.qparams, self.batches, self.quantized = qparams, [], []
+        self.qparams, self.batches = qparams, []
 
     def __call__(self, x: torch.Tensor) -> None:
-        x = x.float()
-        self.batches.append(x.clone())
-        self.quantized.append(x if self.qparams is None else fake_quantize(x, self.qparams)[1])
+        self.batches.append(x.float().clone())
+
+    def quantized(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.qparams is None else fake_quantize(x, self.qparams)[1]
 
 
 class _Progress:
@@ -183,8 +184,9 @@ def _learn(
     learning_rate: float,
     progress: Callable[[int], None],
     generator: torch.Generator,
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(learned integers, the mask of elements left to nearest rounding, iterations run)."""
+) -> tuple[torch.Tensor, int]:
+    """(the learned integers, as floats; the iterations run). The elements holding a
+    channel's minimum or maximum keep nearest rounding."""
     weight = layer.weight.detach().float()
     shape = _axis_shape(qparams, weight)
     scale = qparams.scale.float().reshape(shape)
@@ -196,12 +198,9 @@ def _learn(
     rest = (weight / scale - floor).clamp(0.01, 0.99)  # h(V) starts at the fraction
     v = (-torch.log((_ZETA - _GAMMA) / (rest - _GAMMA) - 1)).requires_grad_(True)
     optimizer = torch.optim.Adam([v], lr=learning_rate)
-    x_float, x_quant = torch.cat(inputs.batches), torch.cat(inputs.quantized)
+    x_float = torch.cat(inputs.batches)
     if layer.is_linear:
-        x_float, x_quant = (
-            x_float.reshape(-1, x_float.shape[-1]),
-            x_quant.reshape(-1, x_quant.shape[-1]),
-        )
+        x_float = x_float.reshape(-1, x_float.shape[-1])
     per_step = _ROWS if layer.is_linear else _SAMPLES
     learned = ~fixed
     warmup = int(_WARMUP * iterations)
@@ -214,10 +213,11 @@ def _learn(
         )
         with torch.no_grad():
             target = op(x_float[pick], weight)
+            x_quant = inputs.quantized(x_float[pick])
         h = ((torch.sigmoid(v) * (_ZETA - _GAMMA)) + _GAMMA).clamp(0, 1)
         integer = torch.clamp(floor + h + zero_point, lowest, highest)
         soft = torch.where(learned, scale * (integer - zero_point), dequantized.float())
-        error = (op(x_quant[pick], soft) - target).pow(2).flatten(1).sum(1).mean()
+        error = (op(x_quant, soft) - target).pow(2).flatten(1).sum(1).mean()
         loss = error
         if step >= warmup:
             beta = _BETA[0] + (_BETA[1] - _BETA[0]) * (step - warmup) / max(1, iterations - warmup)
@@ -230,15 +230,15 @@ def _learn(
     with torch.no_grad():
         integer = torch.clamp(floor + (v >= 0).float() + zero_point, lowest, highest)
         integer = torch.where(learned, integer, nearest.float())
-    return integer, fixed, done
+    return integer, done
 
 
 def _error(op: Callable, inputs: _Inputs, weight: torch.Tensor, dequantized: torch.Tensor) -> float:
     """Mean squared output error over every recorded input."""
     total, count = 0.0, 0
     with torch.no_grad():
-        for x, x_q in zip(inputs.batches, inputs.quantized, strict=True):
-            difference = op(x_q, dequantized) - op(x, weight)
+        for x in inputs.batches:
+            difference = op(inputs.quantized(x), dequantized) - op(x, weight)
             total += float(difference.pow(2).sum())
             count += difference.numel()
     return total / max(1, count)
@@ -331,7 +331,7 @@ def adaround(
         label = f"[{index + 1}/{len(layers)}] {name}"
         shown.show(f"{label}: 0/{iterations}", force=True)
         op = _op(gm, node, layer)
-        integer, _, done = _learn(
+        integer, done = _learn(
             layer,
             qparams,
             op,
@@ -344,12 +344,24 @@ def adaround(
             generator,
         )
         results.append(_write(gm, node, layer, qparams, op, inputs[node], integer, done, now, name))
+        inputs[node].batches.clear()  # memory: each layer's inputs go once it is done
     shown.close()
     gm.meta[_KEY] = tuple(results)
     return gm
 
 
-def _write(gm, node, layer, qparams, op, inputs, integer, done, started, name) -> AdaroundedLayer:
+def _write(
+    gm: GraphModule,
+    node: Node,
+    layer: Layer,
+    qparams: QParams,
+    op: Callable,
+    inputs: _Inputs,
+    integer: torch.Tensor,
+    done: int,
+    started: float,
+    name: str,
+) -> AdaroundedLayer:
     """Writes the learned rounding into ``layer``'s weight where it lowers the error,
     checked to keep the weight's qparams and to quantize back to ``integer``."""
     weight = layer.weight.detach().clone()
