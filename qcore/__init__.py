@@ -38,6 +38,7 @@ from qcore.config import (
 from qcore.config.errors import QCoreWarning
 from qcore.plugin import (
     PLUGIN_API_VERSION,
+    AlgorithmStep,
     Backend,
     BackendLoadError,
     CompileRecipe,
@@ -129,6 +130,7 @@ __all__ = [
     "DuplicatePatternError",
     "ObservationType",
     "PLUGIN_API_VERSION",
+    "AlgorithmStep",
     "Backend",
     "BackendLoadError",
     "CompileRecipe",

@@ -399,6 +399,7 @@ def quantize(
     input_fn: Callable[[Any], Any] | None = None,
     keep_float_if_slower: bool = False,
     accuracy_budget: Any = None,
+    algorithms: Any = None,
 ) -> GraphModule:
     """Post-training quantization in one call: prepare, calibrate, convert.
 
@@ -433,6 +434,14 @@ def quantize(
     int8. Where nothing meets the budget, it warns (``qcore.AccuracyBudgetNotMet``)
     and returns the closest model, as NNCF does.
 
+    ``algorithms`` runs post-training algorithms on the prepared model, each at its
+    stage (``qcore.algorithms.ALGORITHMS``: ``equalize`` before calibration,
+    ``correct_bias`` after it): None (the default) runs none; ``"recommended"``
+    runs what the backend's plugin recommends (``qcore_recommended_algorithms``);
+    a list gives names, ``(name, options)`` pairs or ``qcore.AlgorithmStep``
+    objects, run in that order within their stage. ``qcore.explain`` and
+    ``qcore.algorithms.applied_algorithms(quantized)`` say what ran.
+
     Example::
 
         >>> loader = torch.utils.data.DataLoader(dataset, batch_size=8)  # yields [x, y]
@@ -441,8 +450,17 @@ def quantize(
         ...                            input_fn=lambda record: record["image"])
         >>> quantized = qcore.quantize(model, (x,), loader, backend="x86",
         ...                            accuracy_budget=qcore.MinSQNR(db=30.0))
+        >>> quantized = qcore.quantize(model, (x,), loader, backend="qnnpack",
+        ...                            algorithms=["equalize", "correct_bias"])
     """
     from qcore import accuracy
+    from qcore.algorithms.recipes import (
+        AFTER_CALIBRATION,
+        BEFORE_CALIBRATION,
+        record,
+        resolve_algorithms,
+        run_stage,
+    )
     from qcore.calibration import calibration_calls
 
     if not isinstance(keep_float_if_slower, bool):
@@ -457,18 +475,27 @@ def quantize(
                 "chooses which layers stay float by its own measure"
             )
         calibration_data = list(calibration_data)  # iterated once per candidate
-    if keep_float_if_slower:
-        calibration_data = list(calibration_data)  # iterated once per candidate
+    steps = resolve_algorithms(algorithms, backend)
+    if keep_float_if_slower or steps:
+        calibration_data = list(calibration_data)  # iterated once per candidate or pass
+    applied: list = []
 
     def build(mapping: Any) -> GraphModule:
         prepared = prepare_fx(model, mapping, example_inputs, backend)
+        prepared, before = run_stage(
+            prepared, steps, BEFORE_CALIBRATION, calibration_data, input_fn
+        )
         with torch.no_grad():
             for args, kwargs in calibration_calls(model, calibration_data, input_fn):
                 prepared(*args, **kwargs)
+        prepared, after = run_stage(prepared, steps, AFTER_CALIBRATION, calibration_data, input_fn)
+        applied[:] = before + after
         return convert_fx(prepared)
 
     converted = build(qconfig_mapping)
     if not keep_float_if_slower and budget is None:
+        if steps:
+            record(converted, applied)
         return converted
     from qcore import latency
 
@@ -483,15 +510,19 @@ def quantize(
         return build(mapping)
 
     if budget is not None:
-        return accuracy.keep_float_for_budget(
+        chosen = accuracy.keep_float_for_budget(
             build_keeping_float,
             latency.weighted_layers(converted),
             accuracy.gauge_for(budget, model, calibration_data, input_fn),
         )
-    inputs = _check_inputs(example_inputs)
-    return latency.keep_faster(
-        build_keeping_float, latency.weighted_layers(converted), latency.measure_latency(inputs)
-    )
+    else:
+        inputs = _check_inputs(example_inputs)
+        chosen = latency.keep_faster(
+            build_keeping_float, latency.weighted_layers(converted), latency.measure_latency(inputs)
+        )
+    if steps:
+        record(chosen, applied)
+    return chosen
 
 
 #: What ``quantize_dynamic`` quantizes by default: torch.ao's set, and F.linear.

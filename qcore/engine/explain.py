@@ -62,9 +62,13 @@ class Report:
         >>> print(report)
     """
 
-    def __init__(self, backend: str, entries: list[Entry]) -> None:
+    def __init__(
+        self, backend: str, entries: list[Entry], algorithms: tuple[str, ...] = ()
+    ) -> None:
         self.backend = backend
         self.entries = entries
+        # What qcore.quantize(algorithms=...) ran, each as qcore.algorithms describes it.
+        self.algorithms = algorithms
 
     def __iter__(self):
         return iter(self.entries)
@@ -150,7 +154,10 @@ class Report:
                 "(cut to fit: report.details(node) shows one in full; "
                 "report.format(verbose=True), all)"
             )
-        return "\n".join([fit(self.summary(), width), *lines])
+        head = [fit(self.summary(), width)]
+        if self.algorithms:
+            head.append(fit("algorithms: " + "; ".join(self.algorithms), width))
+        return "\n".join([*head, *lines])
 
     def __str__(self) -> str:
         return self.format()

@@ -32,9 +32,11 @@ from typing import TYPE_CHECKING, Any
 from qcore.plugin.markers import hookspec
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from qcore.config import BackendPatternConfig
     from qcore.plugin.kernels import Kernel
-    from qcore.plugin.recipes import CompileRecipe
+    from qcore.plugin.recipes import AlgorithmStep, CompileRecipe
 
 
 @hookspec
@@ -98,4 +100,23 @@ def qcore_compile_recipe(backend: str) -> CompileRecipe | None:
     the lowered model, as ``convert_fx``/``convert_pt2e`` do. The first non-None
     answer wins, the backend's owner asked first. Never called for ``"native"``,
     whose models run on the eager kernels of the backends it unites.
+    """
+
+
+@hookspec(firstresult=True)
+def qcore_recommended_algorithms(backend: str) -> Sequence[AlgorithmStep] | None:
+    """The post-training algorithms ``backend`` recommends by default, or None.
+
+    Called by :func:`qcore.quantize` with ``algorithms="recommended"`` (once per
+    call), and by ``qcore.get_backend(name).recommended_algorithms()``. Returns a
+    list or tuple of :class:`qcore.AlgorithmStep`, in the order they should run
+    within their stage: each names an algorithm of ``qcore.algorithms.ALGORITHMS``
+    (``"equalize"`` and ``"smooth_quant"`` run before calibration,
+    ``"correct_bias"`` and ``"adaround"`` after it) with its options, and says why
+    in ``reason``. An empty list recommends none (plain calibration is this
+    backend's best); None leaves it to another plugin. The first non-None answer
+    wins, the backend's owner asked first. A plugin that raises or answers
+    something else is skipped with a warning naming it (the next plugin is asked);
+    a step naming an algorithm this qcore does not have is dropped with a warning.
+    Never called for ``"native"``, which recommends none.
     """

@@ -1,4 +1,5 @@
-"""What a backend says about compiling its quantized models (``qcore_compile_recipe``)."""
+"""What a backend recommends: compiling its quantized models (``qcore_compile_recipe``)
+and the post-training algorithms worth running for it (``qcore_recommended_algorithms``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ from typing import Any
 
 from qcore.config.errors import describe
 
-__all__ = ["CompileRecipe"]
+__all__ = ["AlgorithmStep", "CompileRecipe"]
+
+
+def _check_options(field_name: str, options: Any, keys: str) -> None:
+    if not isinstance(options, Mapping) or not all(isinstance(key, str) for key in options):
+        raise TypeError(
+            f"{field_name}: got {describe(options)}; expected a mapping with string keys ({keys})"
+        )
 
 
 @dataclass(frozen=True)
@@ -47,13 +55,7 @@ class CompileRecipe:
                 f"CompileRecipe.compiler: got {describe(self.compiler)}; expected a "
                 "torch.compile backend name (such as 'inductor') or a callable"
             )
-        if not isinstance(self.options, Mapping) or not all(
-            isinstance(key, str) for key in self.options
-        ):
-            raise TypeError(
-                f"CompileRecipe.options: got {describe(self.options)}; expected a mapping "
-                "with string keys (the compiler's option names)"
-            )
+        _check_options("CompileRecipe.options", self.options, "the compiler's option names")
         if self.dynamic is not None and not isinstance(self.dynamic, bool):
             raise TypeError(
                 f"CompileRecipe.dynamic: got {describe(self.dynamic)}; expected True, False or None"
@@ -75,3 +77,41 @@ class CompileRecipe:
         options = ", ".join(f"{key}={value!r}" for key, value in self.options.items())
         text = f"torch.compile(backend={name}" + (f", {options})" if options else ")")
         return f"{self.summary} ({text})" if self.summary else text
+
+
+@dataclass(frozen=True)
+class AlgorithmStep:
+    """One post-training algorithm to run, by name, with its options.
+
+    ``name`` is a name of ``qcore.algorithms.ALGORITHMS`` (``"equalize"``,
+    ``"correct_bias"``, ...); ``options`` are that pass's keyword arguments
+    (``qcore.equalize``'s ``iterations``, ``relu6_to_relu``). ``reason`` says why
+    a backend recommends it: ``qcore.explain`` prints it. :func:`qcore.quantize`
+    (``algorithms=``) runs each step at its stage, before or after calibration.
+
+    Example::
+
+        >>> AlgorithmStep("equalize", {"relu6_to_relu": False},
+        ...               reason="depthwise convs: per-tensor activations waste levels")
+    """
+
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(
+                f"AlgorithmStep.name: got {describe(self.name)}; expected an algorithm's "
+                "name (a non-empty string, such as 'equalize')"
+            )
+        _check_options("AlgorithmStep.options", self.options, "the algorithm's keyword arguments")
+        if not isinstance(self.reason, str):
+            raise TypeError(f"AlgorithmStep.reason: got {describe(self.reason)}; expected a string")
+        # A frozen step keeps its own copy: the plugin's dict may change later.
+        object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
+
+    def describe(self) -> str:
+        """The step as a call: ``smooth_quant(alpha=0.5)``, ``equalize()``."""
+        options = ", ".join(f"{key}={value!r}" for key, value in self.options.items())
+        return f"{self.name}({options})"

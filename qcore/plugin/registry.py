@@ -199,6 +199,18 @@ class Backend:
             return None
         return self._registry._first_answer(self, "qcore_compile_recipe")
 
+    def recommended_algorithms(self) -> tuple[Any, ...]:
+        """The post-training algorithms its plugins recommend (``qcore.AlgorithmStep``
+        objects, in order), empty when none answers. A plugin whose hook raises or
+        answers something else is skipped with a warning naming it, so one broken
+        plugin costs the recommendation, never the backend. "native" asks no plugin."""
+        if self.name == NATIVE or self._registry is None:
+            return ()
+        answer = self._registry._first_answer(
+            self, "qcore_recommended_algorithms", skip_failing=True
+        )
+        return () if answer is None else tuple(answer)
+
 
 class BackendRegistry:
     """Finds plugins, loads them when their backend is asked for, keeps them apart.
@@ -496,10 +508,18 @@ class BackendRegistry:
         return items or []
 
     def _first_answer(
-        self, backend: Backend, hook_name: str, *, with_plugin: bool = False, **kwargs: Any
+        self,
+        backend: Backend,
+        hook_name: str,
+        *,
+        with_plugin: bool = False,
+        skip_failing: bool = False,
+        **kwargs: Any,
     ) -> Any | None:
         """The first non-None answer of the backend's plugins (in rank order),
-        validated; a plugin that raises or answers something else is named."""
+        validated; a plugin that raises or answers something else is named: in a
+        BackendLoadError, or (``skip_failing``, for advice a backend works without)
+        in a warning, and the next plugin is asked."""
         for plugin in backend.plugins:
             function = self._hookimpl(plugin, hook_name)
             if function is None:
@@ -509,18 +529,26 @@ class BackendRegistry:
             except KeyboardInterrupt:
                 raise
             except BaseException as error:  # SystemExit too
-                raise BackendLoadError(
+                failure = BackendLoadError(
                     f"backend {backend.name!r}: plugin {plugin.name} raised in {hook_name}: "
                     f"{type(error).__name__}: {error}"
-                ) from error
+                )
+                if not skip_failing:
+                    raise failure from error
+                warnings.warn(f"{failure}; skipped", QCoreWarning, stacklevel=3)
+                continue
             if answer is None:
                 continue
             expected = _EXPECTED_ANSWER[hook_name]
             if not expected[0](answer):
-                raise BackendLoadError(
+                failure = BackendLoadError(
                     f"backend {backend.name!r}: plugin {plugin.name}: {hook_name}() returned "
                     f"{describe(answer)}; expected {expected[1]} or None"
                 )
+                if not skip_failing:
+                    raise failure
+                warnings.warn(f"{failure}; skipped", QCoreWarning, stacklevel=3)
+                continue
             return (answer, plugin) if with_plugin else answer
         return None
 
@@ -545,6 +573,14 @@ def _is_compile_recipe(value: Any) -> bool:
     return isinstance(value, CompileRecipe)
 
 
+def _is_algorithm_steps(value: Any) -> bool:
+    from qcore.plugin.recipes import AlgorithmStep
+
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(step, AlgorithmStep) for step in value
+    )
+
+
 _EXPECTED_ANSWER: dict[str, tuple[Callable[[Any], bool], str]] = {
     "qcore_default_qconfig_mapping": (
         _is_qconfig_mapping,
@@ -552,6 +588,10 @@ _EXPECTED_ANSWER: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "qcore_backend_quantizer": (_is_quantizer, "a qcore.Quantizer"),
     "qcore_compile_recipe": (_is_compile_recipe, "a qcore.CompileRecipe"),
+    "qcore_recommended_algorithms": (
+        _is_algorithm_steps,
+        "a list or tuple of qcore.AlgorithmStep",
+    ),
 }
 
 
