@@ -12,7 +12,8 @@ one of:
 
 The search (NNCF's ``quantize_with_accuracy_control`` and Intel Neural
 Compressor's accuracy-driven tuning work alike): measure the converted model;
-rank each conv/linear layer by how much keeping it alone float improves the
+rank each candidate (the conv/linear layers, and the quantized function calls
+such as add, matmul and cat) by how much keeping it alone float improves the
 measure (a metric's ties, common with top-1 accuracy, by how much it improves
 the SQNR on the calibration data); keep layers float in that order until the budget is met; then try
 each kept layer int8 again, least sensitive first, and quantize it where the
@@ -350,9 +351,10 @@ def _not_met(
     names = ", ".join(sorted(kept)) or "none"
     warnings.warn(
         f"accuracy_budget: {gauge.budget} not met: the best found is {gauge.show(value)} with "
-        f"{len(kept)} of {candidates} conv/linear layers float ({names}). Returning that "
-        "model. The other quantized ops (activations, adds, ...) still lose accuracy: set "
-        "their QConfigs to None in qconfig_mapping, or lower the budget",
+        f"{len(kept)} of {candidates} candidates float ({names}). Returning that model. "
+        "The quantized ops that are no candidates (modules other than conv/linear, method "
+        "calls) still lose accuracy: set their QConfigs to None in qconfig_mapping, or "
+        "lower the budget",
         AccuracyBudgetNotMet,
         stacklevel=3,
     )

@@ -422,17 +422,19 @@ def quantize(
     the fastest (``qcore.latency``); ``qcore.explain`` gives each layer kept float
     with both timings. It converts once per conv/linear: opt-in, for deployment.
 
-    ``accuracy_budget`` keeps the fewest conv/linear layers float that bring the
-    model within a budget (``qcore.accuracy``): ``qcore.MinSQNR(db=30.0)`` (or just
-    ``30.0``), SQNR against the float model on the calibration data or its
-    ``eval_data``; or ``qcore.MetricBudget(metric, max_drop=0.01)`` with
-    ``metric(model, eval_data) -> float`` as NNCF's ``validation_fn``. Layers are
-    ranked by how much keeping each alone float helps, kept float in that order
-    until the budget is met, then each tried int8 again: with N conv/linear layers,
-    at most 2N + k(k+1)/2 conversions for k kept float (one when the budget is met
-    as is). ``qcore.explain`` gives each kept layer the measure with it float and
-    int8. Where nothing meets the budget, it warns (``qcore.AccuracyBudgetNotMet``)
-    and returns the closest model, as NNCF does.
+    ``accuracy_budget`` keeps the fewest candidates float that bring the model
+    within a budget (``qcore.accuracy``); the candidates are the conv/linear
+    layers and the quantized function calls (add, matmul, cat, ...). The budget
+    is ``qcore.MinSQNR(db=30.0)`` (or just ``30.0``), SQNR against the float model
+    on the calibration data or its ``eval_data``; or
+    ``qcore.MetricBudget(metric, max_drop=0.01)`` with ``metric(model, eval_data)
+    -> float`` as NNCF's ``validation_fn``. Candidates are ranked by how much
+    keeping each alone float helps, kept float in that order until the budget is
+    met, then each tried int8 again: with N candidates, at most 2N + k(k+1)/2
+    conversions for k kept float (one when the budget is met as is).
+    ``qcore.explain`` gives each kept one the measure with it float and int8.
+    Where nothing meets the budget, it warns (``qcore.AccuracyBudgetNotMet``) and
+    returns the closest model, as NNCF does.
 
     ``algorithms`` runs post-training algorithms on the prepared model, each at its
     stage (``qcore.algorithms.ALGORITHMS``: ``equalize`` before calibration,
@@ -497,22 +499,22 @@ def quantize(
         if steps:
             record(converted, applied)
         return converted
-    from qcore import latency
+    from qcore import keep_float, latency
 
     base = _check_mapping(qconfig_mapping, resolve_backend(backend)[3], False)
+
+    # accuracy_budget tries function calls (add, matmul) too; a layer's speed is its own
+    ops = keep_float.functional_ops(model, converted) if budget is not None else {}
 
     def build_keeping_float(names: frozenset[str]) -> GraphModule:
         if not names:
             return converted
-        mapping = as_qconfig_mapping(base).copy()
-        for name in sorted(names):
-            mapping.set_module_name(name, None)
-        return build(mapping)
+        return build(keep_float.keep_float_mapping(as_qconfig_mapping(base), names, ops))
 
     if budget is not None:
         chosen = accuracy.keep_float_for_budget(
             build_keeping_float,
-            latency.weighted_layers(converted),
+            [*latency.weighted_layers(converted), *ops],
             accuracy.gauge_for(budget, model, calibration_data, input_fn),
         )
     else:

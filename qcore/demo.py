@@ -205,7 +205,7 @@ def _eval_sqnr(entry: ZooEntry, model: torch.nn.Module, converted: torch.nn.Modu
 
 def _keep_float_for(result: DemoResult, entry: ZooEntry, batches: int, min_sqnr: float) -> None:
     """``qcore.quantize(accuracy_budget=MinSQNR(min_sqnr))`` on the FX path: which
-    layers it keeps float, and the SQNR that model reaches."""
+    layers and function calls it keeps float, and the SQNR that model reaches."""
     from qcore.accuracy import AccuracyBudgetNotMet, MinSQNR
     from qcore.api import explain, quantize
 
@@ -292,7 +292,7 @@ def _row(result: DemoResult) -> list[str]:
 
 
 def _budget_cell(result: DemoResult) -> str:
-    """The layers ``accuracy_budget`` kept float, and the SQNR it then reaches."""
+    """How many nodes ``accuracy_budget`` kept float, and the SQNR it then reaches."""
     if result.kept_float is None:
         return ""
     if result.budget_note and result.budget_note != "not met":
@@ -337,7 +337,7 @@ def _wrap(text: str, indent: str) -> str:
 
 def _write_kept(results: list[DemoResult], min_sqnr: float, stream: TextIO) -> None:
     stream.write(
-        f"\nKEPT FLOAT: layers qcore.quantize(accuracy_budget={min_sqnr:g}) keeps float for an "
+        f"\nKEPT FLOAT: what qcore.quantize(accuracy_budget={min_sqnr:g}) keeps float for an "
         "SQNR of at least that on the calibration data (the SQNR shown is on held-out data):\n"
     )
     for result in results:

@@ -11,14 +11,22 @@ both record their reason per kept layer here, where ``qcore.explain`` reads it.
 from __future__ import annotations
 
 import copy
+from collections import defaultdict
 from collections.abc import Callable, Mapping
+from typing import Any
 
+import torch
 from torch.fx import GraphModule
 
 from qcore.engine.explain import Entry, Status, attach_report, report_of
 from qcore.kernels.packed import PackedWeights
 
-__all__ = ["Build", "mark_kept_float", "weighted_layers"]
+__all__ = ["Build", "functional_ops", "keep_float_mapping", "mark_kept_float", "weighted_layers"]
+
+#: A quantized function call, as QConfigMapping.set_module_name_object_type_order
+#: names it: (the path of the module whose forward calls it, the function, its index
+#: among that module's calls of it).
+OpKey = tuple[str, Any, int]
 
 #: ``build(names)``: the converted model with those modules' QConfigs set to None.
 Build = Callable[[frozenset[str]], GraphModule]
@@ -36,17 +44,59 @@ def weighted_layers(converted: GraphModule) -> list[str]:
     return names
 
 
+def functional_ops(model: torch.nn.Module, converted: GraphModule) -> dict[str, OpKey]:
+    """The converted model's quantized function calls (add, matmul, cat, ...), by
+    node name, each with the key a QConfigMapping keeps that one call float by.
+
+    The keys count calls in the traced graph as prepare assigns QConfigs
+    (qcore.engine.qconfigs), so they name the same calls. Method calls (reshape,
+    transpose) have no such key; they follow their input anyway.
+    """
+    from qcore.engine.custom_config import as_custom_config
+    from qcore.engine.qconfigs import node_scope
+    from qcore.engine.trace import trace
+
+    report = report_of(converted)
+    if report is None:
+        return {}
+    quantized = {e.node for e in report.ops if e.status in (Status.QUANTIZED, Status.REFERENCE)}
+    seen: dict[tuple[str, Any], int] = defaultdict(int)
+    keys: dict[str, OpKey] = {}
+    for node in trace(model, as_custom_config(None)).graph.nodes:
+        if node.op != "call_function":
+            continue
+        path, _ = node_scope(node, type(model))
+        index = seen[path, node.target]
+        seen[path, node.target] += 1
+        if node.name in quantized:
+            keys[node.name] = (path, node.target, index)
+    return keys
+
+
+def keep_float_mapping(mapping: Any, names: frozenset[str], ops: Mapping[str, OpKey]) -> Any:
+    """A copy of ``mapping`` with QConfig None for each of ``names``: a module name,
+    or a function call's node name from :func:`functional_ops`."""
+    mapping = mapping.copy()
+    for name in sorted(names):
+        if name in ops:
+            mapping.set_module_name_object_type_order(*ops[name], None)
+        else:
+            mapping.set_module_name(name, None)
+    return mapping
+
+
 def mark_kept_float(model: GraphModule, reasons: Mapping[str, str]) -> GraphModule:
-    """``model`` with each module named in ``reasons`` shown float in its explain
-    report, with that reason. Returns ``model`` (its report replaced)."""
+    """``model`` with each module (or node) named in ``reasons`` shown float in its
+    explain report, with that reason. Returns ``model`` (its report replaced)."""
     report = report_of(model)
     if report is None or not reasons:
         return model
-    by_node = {
-        node.name: reasons[node.target]
+    by_node = {name: reason for name, reason in reasons.items() if "." not in name}
+    by_node.update(
+        (node.name, reasons[node.target])
         for node in model.graph.nodes
         if node.op == "call_module" and node.target in reasons
-    }
+    )
     entries = [
         Entry(e.node, e.op, Status.FLOAT, by_node[e.node], e.pattern) if e.node in by_node else e
         for e in report.entries

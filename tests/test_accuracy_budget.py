@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import warnings
 
 import pytest
@@ -54,12 +55,37 @@ def _backend() -> str:
     pytest.skip("needs a first-party backend")
 
 
-class ChainAdd(Chain):
-    """Its output through a quantized add: no choice of linears float is exact."""
+class ChainTail(Chain):
+    """Its output through a quantized Hardswish module, which is no candidate: no
+    choice of float layers and function calls makes it exact."""
+
+    def __init__(self, sensitive: tuple[str, ...] = ("b", "d")) -> None:
+        super().__init__(sensitive)
+        self.tail = torch.nn.Hardswish()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
-        return y + y
+        return self.tail(super().forward(x))
+
+
+class ChainAdd(Chain):
+    """A residual add whose output spans 1000 in one channel that is sliced off:
+    the add's int8 output crushes the others, as does the side linear's."""
+
+    def __init__(self) -> None:
+        super().__init__(())
+        self.e = torch.nn.Linear(16, 8)
+        with torch.no_grad():
+            self.e.bias[0] = 1000.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (super().forward(x) + self.e(x))[:, 1:]
+
+
+def _backend() -> str:
+    for name in FIRST_PARTY:
+        if installed(name):
+            return name
+    pytest.skip("needs a first-party backend")
 
 
 def _data(n: int = 4, seed: int = 1) -> list[torch.Tensor]:
@@ -233,7 +259,7 @@ def test_a_lower_is_better_metric_calibration_data_by_default(drop_type):
 
 
 def test_an_impossible_budget_warns_with_the_best_and_returns_it():
-    model, data = ChainAdd(("b", "d")).eval(), _data()
+    model, data = ChainTail(("b", "d")).eval(), _data()
     with pytest.warns(qcore.AccuracyBudgetNotMet) as caught:
         chosen = qcore.quantize(model, (data[0],), data, backend=_backend(), accuracy_budget=300.0)
     message = str([w for w in caught if w.category is qcore.AccuracyBudgetNotMet][0].message)
@@ -242,10 +268,45 @@ def test_an_impossible_budget_warns_with_the_best_and_returns_it():
         f"accuracy_budget: 300 dB not met: the best found is SQNR {best:.1f} dB with "
     )
     kept = _float_layers(chosen)
-    assert f"with {len(kept)} of 4 conv/linear layers float ({', '.join(sorted(kept))})" in message
+    assert f"with {len(kept)} of 4 candidates float ({', '.join(sorted(kept))})" in message
     assert {"b", "d"} <= kept  # the best has the sensitive ones float
     reason = qcore.explain(chosen)["b"].reason
     assert reason.startswith(f"kept float (accuracy budget not met): SQNR {best:.1f} dB")
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_function_call_is_a_candidate_too(backend):
+    model, data = ChainAdd().eval(), _data()
+    build, _ = _builder(model, backend, data)
+    names = ("a", "b", "c", "d", "e", "add")
+
+    def float_mapping(kept):
+        mapping = qcore.get_default_qconfig_mapping(backend)
+        for name in kept:  # the add is the root module's first call of operator.add
+            if name == "add":
+                mapping.set_module_name_object_type_order("", operator.add, 0, None)
+            else:
+                mapping.set_module_name(name, None)
+        return mapping
+
+    def sqnr_of(kept):
+        prepared = qcore.prepare_fx(model, float_mapping(kept), (data[0],), backend=backend)
+        for x in data:
+            prepared(x)
+        return _sqnr(model, qcore.convert_fx(prepared), data)
+
+    assert sqnr_of(()) < 5
+    fewest = next(
+        size
+        for size in range(len(names) + 1)
+        if any(sqnr_of(kept) >= 30 for kept in itertools.combinations(names, size))
+    )
+    chosen = qcore.quantize(model, (data[0],), data, backend=backend, accuracy_budget=30.0)
+    report = qcore.explain(chosen)
+    kept = {e.node for e in report.float if e.reason.startswith("kept float (accuracy budget)")}
+    assert "add" in kept and len(kept) == fewest == 2
+    assert _sqnr(model, chosen, data) >= 30
+    assert report["add"].reason.endswith("int8; budget 30 dB")
 
 
 def test_eval_data_is_measured_instead_of_calibration_data():
