@@ -204,3 +204,16 @@ def test_bad_arguments_are_named():
         qcore.adaround(prepared, _data(), progress="yes")
     with pytest.raises(ValueError, match=r"calibration_data: got no batches"):
         qcore.adaround(prepared, [])
+
+
+def test_dynamic_linears_need_no_calibration():
+    from qcore.config.qconfig import default_dynamic_qconfig
+
+    model = Coarse().eval()
+    mapping = QConfigMapping().set_object_type(torch.nn.Linear, default_dynamic_qconfig)
+    prepared = qcore.prepare_fx(model, mapping, (_X,), backend=_backend())
+    rounded = qcore.adaround(prepared, _data(), iterations=100)
+    (result,) = adarounded_layers(rounded)  # the conv stays float
+    assert result.layer == "fc" and result.kept == "learned"
+    converted = qcore.convert_to_reference_fx(rounded)
+    assert torch.equal(converted.fc.integer_weight("weight"), result.integers)

@@ -186,3 +186,23 @@ def test_bad_arguments_are_named():
         ValueError, match=r"has already seen data; smooth_quant.*before calibration"
     ):
         qcore.smooth_quant(prepared, _data())
+
+
+def test_dynamic_quantization_is_smoothed_too():
+    """Dynamic linears quantize their input per batch at run time: the search scores
+    each alpha with the input's range, as that quantization takes it."""
+    from qcore.config.qconfig import default_dynamic_qconfig
+
+    model = Outliers().eval()
+    mapping = QConfigMapping().set_object_type(torch.nn.Linear, default_dynamic_qconfig)
+    prepared = qcore.prepare_fx(model, mapping, (_X,), backend=_backend())
+    smoothed = qcore.smooth_quant(prepared, _data(), alpha="search")
+    assert {g.layers for g in smoothed_layers(smoothed) if g.alpha is not None} == {
+        ("q", "k"),
+        ("v",),
+    }
+    with torch.no_grad():
+        expected = model(_X)
+        plain_db = sqnr(expected, _quantized(prepared, "fx")(_X))
+        smoothed_db = sqnr(expected, _quantized(smoothed, "fx")(_X))
+    assert smoothed_db >= plain_db + 2.0, (plain_db, smoothed_db)

@@ -299,7 +299,8 @@ def adaround(
     _check_number("seed", seed, int, -(2**63), "an int")
     if progress is not None and not isinstance(progress, bool):
         raise TypeError(f"progress: got {describe(progress)}; expected True, False or None")
-    if first_observed(prepared) is None:
+    static = any(isinstance(getattr(m, "min_val", None), torch.Tensor) for m in prepared.modules())
+    if static and first_observed(prepared) is None:  # dynamic models have nothing to calibrate
         raise ValueError(
             "prepared: no observer has seen data; adaround learns against the weights' "
             "calibrated qparams: run the calibration batches through the prepared model first"

@@ -45,6 +45,7 @@ from qcore.algorithms.layers import (
 )
 from qcore.config.errors import describe
 from qcore.engine.reference import fake_quantize, qparams_of
+from qcore.observers import MinMaxObserver
 
 __all__ = ["SEARCH_ALPHAS", "SmoothedLayers", "smooth_quant", "smoothed_layers"]
 
@@ -197,7 +198,11 @@ def _search(
     for alpha in SEARCH_ALPHAS:
         scale = _scales(stats.absmax, weights, alpha)
         smoothed = x / scale
-        observer = copy.deepcopy(gm.get_submodule(group[0].args[0].target))
+        observer = gm.get_submodule(group[0].args[0].target)
+        if getattr(observer, "is_dynamic", False):  # quantized per batch at run time
+            observer = MinMaxObserver(dtype=observer.dtype)
+        else:
+            observer = copy.deepcopy(observer)
         observer(smoothed)
         _, x_q = fake_quantize(smoothed, qparams_of(observer, full_range=full_range))
         error = 0.0
