@@ -356,7 +356,7 @@ def _not_met(
         "calls) still lose accuracy: set their QConfigs to None in qconfig_mapping, or "
         "lower the budget",
         AccuracyBudgetNotMet,
-        stacklevel=3,
+        stacklevel=4,  # the caller of qcore.quantize
     )
     reason = (
         f"kept float (accuracy budget not met): {gauge.show(value)} with these {len(kept)} "

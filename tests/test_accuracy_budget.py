@@ -262,7 +262,9 @@ def test_an_impossible_budget_warns_with_the_best_and_returns_it():
     model, data = ChainTail(("b", "d")).eval(), _data()
     with pytest.warns(qcore.AccuracyBudgetNotMet) as caught:
         chosen = qcore.quantize(model, (data[0],), data, backend=_backend(), accuracy_budget=300.0)
-    message = str([w for w in caught if w.category is qcore.AccuracyBudgetNotMet][0].message)
+    warning = next(w for w in caught if w.category is qcore.AccuracyBudgetNotMet)
+    assert warning.filename == __file__  # points at the quantize call
+    message = str(warning.message)
     best = _sqnr(model, chosen, data)
     assert message.startswith(
         f"accuracy_budget: 300 dB not met: the best found is SQNR {best:.1f} dB with "
