@@ -176,6 +176,24 @@ def test_module_called_twice_runs_after_convert():
     assert_not_worse_than_torch_ao(CalledTwice().eval(), _batches((4, 8)))
 
 
+def test_module_called_twice_has_its_weights_quantized_once():
+    """Both calls share one reference module whose integers are the float weight's,
+    not the integers of an already fake-quantized copy."""
+    model = CalledTwice().eval()
+    mapping = get_default_qconfig_mapping("fbgemm")
+    prepared = qcore.prepare_fx(model, mapping, (torch.randn(4, 8),), backend="fbgemm")
+    for batch in _batches((4, 8)):
+        prepared(batch)
+    reference = qcore.convert_to_reference_fx(prepared).linear
+    observer = mapping.global_qconfig.weight()
+    observer(model.linear.weight)
+    scale, zero_point = observer.calculate_qparams()
+    expected = torch.quantize_per_channel(
+        model.linear.weight, scale, zero_point, observer.ch_axis, torch.qint8
+    ).int_repr()
+    assert torch.equal(reference.integer_weight("weight").to(torch.int8), expected)
+
+
 # 8. prepare never changes the caller's example inputs
 class InPlace(nn.Module):
     def forward(self, x):

@@ -63,9 +63,13 @@ def _float_and_weight_qparams(
 
 def _swap_reference_modules(gm: GraphModule, state: PreparedState) -> None:
     modules = dict(gm.named_modules(remove_duplicate=False))
+    swapped: set[str] = set()
     for accepted in state.accepted:
         if accepted.root_op != "call_module" or accepted.qconfig.weight is None:
             continue
+        if accepted.root_target in swapped:
+            continue  # a module called twice: one ReferenceModule serves both calls
+        swapped.add(accepted.root_target)
         if not is_quantized_dtype(accepted.dtype_config.weight_dtype):
             continue
         module = modules[accepted.root_target]

@@ -112,6 +112,51 @@ def _pattern_size(pattern: Any) -> int:
     return 0 if is_match_all(pattern) else 1
 
 
+class _Candidates:
+    """The configs whose pattern could end at a node, by the node's op, in the
+    configs' order: a large graph tries a few patterns per node, not all of them."""
+
+    def __init__(self, ordered: list[BackendPatternConfig]) -> None:
+        self.by_op: dict[tuple[str, Any], list[tuple[int, BackendPatternConfig]]] = {}
+        self.any_op: list[tuple[int, BackendPatternConfig]] = []
+        for index, config in enumerate(ordered):
+            pattern = config.pattern_complex_format
+            op = pattern[0] if isinstance(pattern, tuple) else pattern
+            key = _op_key(op)
+            bucket = self.any_op if key is None else self.by_op.setdefault(key, [])
+            bucket.append((index, config))
+        self._merged: dict[tuple[str, Any], list[BackendPatternConfig]] = {}
+
+    def for_node(
+        self, node: Node, modules: Mapping[str, torch.nn.Module]
+    ) -> list[BackendPatternConfig]:
+        if node.op == "call_module":
+            key: tuple[str, Any] = ("call_module", type(modules[node.target]))
+        else:
+            key = (node.op, node.target)
+        merged = self._merged.get(key)
+        if merged is None:
+            merged = [c for _, c in sorted(self.by_op.get(key, []) + self.any_op, key=_first)]
+            self._merged[key] = merged
+        return merged
+
+
+def _first(item: tuple[int, Any]) -> int:
+    return item[0]
+
+
+def _op_key(op: Any) -> tuple[str, Any] | None:
+    """The (node.op, what identifies it) a pattern's output op matches; None for an
+    op matching any node (MatchAllNode)."""
+    if is_match_all(op):
+        return None
+    if isinstance(op, type) and issubclass(op, torch.nn.Module):
+        return ("call_module", op)
+    if isinstance(op, str):
+        return ("call_method", op)
+    return ("call_function", op)
+
+
 def find_matches(
     nodes: list[Node],
     configs: list[BackendPatternConfig],
@@ -120,11 +165,12 @@ def find_matches(
     """Match every node at most once, larger patterns first, from the graph's
     end to its start (as torch.ao does). Returns node -> its Match."""
     ordered = sorted(configs, key=lambda c: -_pattern_size(c.pattern_complex_format))
+    candidates = _Candidates(ordered)
     matched: dict[Node, Match] = {}
     for node in reversed(nodes):
         if node in matched or node.op not in ("call_module", "call_function", "call_method"):
             continue
-        for config in ordered:
+        for config in candidates.for_node(node, modules):
             pattern = config.pattern_complex_format
             nested = match_pattern(node, pattern, modules)
             if nested is None:
