@@ -296,6 +296,7 @@ def keep_float_for_budget(build: Build, candidates: Sequence[str], gauge: _Gauge
     2N + k(k+1)/2. Where no choice meets the budget it warns
     (:class:`AccuracyBudgetNotMet`) and returns the best model measured.
     """
+    candidates = list(dict.fromkeys(candidates))  # a module called twice is one candidate
     values: dict[frozenset[str], float] = {}
     ties: dict[frozenset[str], float] = {}
     meeting: dict[frozenset[str], GraphModule] = {}

@@ -514,7 +514,7 @@ def quantize(
     if budget is not None:
         chosen = accuracy.keep_float_for_budget(
             build_keeping_float,
-            [*latency.weighted_layers(converted), *ops],
+            [*latency.weighted_layers(converted, model), *ops],
             accuracy.gauge_for(budget, model, calibration_data, input_fn),
         )
     else:

@@ -32,16 +32,33 @@ OpKey = tuple[str, Any, int]
 Build = Callable[[frozenset[str]], GraphModule]
 
 
-def weighted_layers(converted: GraphModule) -> list[str]:
-    """Module names of the converted model's quantized conv/linear kernels, in order."""
+def weighted_layers(converted: GraphModule, model: torch.nn.Module | None = None) -> list[str]:
+    """Module names of the converted model's quantized conv/linear kernels, in order.
+
+    Convert gives a module called twice a copy per call (``b`` and ``b_1``); with
+    the float ``model`` each is named by the module the user's model calls, once.
+    """
     report = report_of(converted)
     quantized = {entry.node for entry in report.quantized} if report is not None else set()
+    called = {} if model is None else _traced_modules(model)
     names = []
     for node in converted.graph.nodes:
         if node.op == "call_module" and node.name in quantized:
             if isinstance(converted.get_submodule(node.target), PackedWeights):
-                names.append(node.target)
-    return names
+                names.append(called.get(node.name, node.target))
+    return list(dict.fromkeys(names))
+
+
+def _traced(model: torch.nn.Module) -> GraphModule:
+    from qcore.engine.custom_config import as_custom_config
+    from qcore.engine.trace import trace
+
+    return trace(model, as_custom_config(None))
+
+
+def _traced_modules(model: torch.nn.Module) -> dict[str, str]:
+    """Node name -> the module it calls, in ``model`` traced as prepare traces it."""
+    return {n.name: n.target for n in _traced(model).graph.nodes if n.op == "call_module"}
 
 
 def functional_ops(model: torch.nn.Module, converted: GraphModule) -> dict[str, OpKey]:
@@ -52,9 +69,7 @@ def functional_ops(model: torch.nn.Module, converted: GraphModule) -> dict[str, 
     (qcore.engine.qconfigs), so they name the same calls. Method calls (reshape,
     transpose) have no such key; they follow their input anyway.
     """
-    from qcore.engine.custom_config import as_custom_config
     from qcore.engine.qconfigs import node_scope
-    from qcore.engine.trace import trace
 
     report = report_of(converted)
     if report is None:
@@ -62,7 +77,7 @@ def functional_ops(model: torch.nn.Module, converted: GraphModule) -> dict[str, 
     quantized = {e.node for e in report.ops if e.status in (Status.QUANTIZED, Status.REFERENCE)}
     seen: dict[tuple[str, Any], int] = defaultdict(int)
     keys: dict[str, OpKey] = {}
-    for node in trace(model, as_custom_config(None)).graph.nodes:
+    for node in _traced(model).graph.nodes:
         if node.op != "call_function":
             continue
         path, _ = node_scope(node, type(model))

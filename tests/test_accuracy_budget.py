@@ -370,3 +370,30 @@ def test_bad_arguments_to_quantize_are_named():
     returned = r"MetricBudget.metric: returned None \(NoneType\); expected a number"
     with pytest.raises(TypeError, match=returned):
         qcore.quantize(model, (data[0],), data, backend=_backend(), accuracy_budget=budget)
+
+
+class Shared(Chain):
+    """The sensitive b called twice: one module, one candidate."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        return self.d(torch.relu(self.c(self.b(h) + self.b(h))))
+
+
+def test_a_module_called_twice_is_one_candidate():
+    model, data = Shared(("b",)).eval(), _data()
+    build, built = _builder(model, _backend(), data)
+    converted = build(frozenset())
+    assert sorted(weighted_layers(converted)) == ["a", "b", "b_1", "c", "d"]  # a copy per call
+    candidates = weighted_layers(converted, model)
+    assert candidates == ["a", "b", "c", "d"]
+    built.clear()
+    gauge = accuracy.gauge_for(qcore.MinSQNR(db=25.0), model, data)
+    chosen = accuracy.keep_float_for_budget(build, candidates, gauge)
+    assert len(built) == len(set(built))
+    report = qcore.explain(chosen)
+    assert report["b"].status is report["b_1"].status is Status.FLOAT
+    assert report["b_1"].reason.startswith("kept float (accuracy budget): SQNR")
+    assert _sqnr(model, chosen, data) >= 25
+    through_quantize = qcore.quantize(model, (data[0],), data, _backend(), accuracy_budget=25)
+    assert qcore.explain(through_quantize)["b_1"].reason == report["b_1"].reason
