@@ -15,10 +15,10 @@ Compressor's accuracy-driven tuning work alike): measure the converted model;
 rank each candidate (the conv/linear layers, and the quantized function calls
 such as add, matmul and cat) by how much keeping it alone float improves the
 measure (a metric's ties, common with top-1 accuracy, by how much it improves
-the SQNR on the calibration data); keep layers float in that order until the budget is met; then try
-each kept layer int8 again, least sensitive first, and quantize it where the
-others already meet the budget, repeating until none can go. Explain gives each
-kept layer the measure with it float and with it int8.
+the SQNR on the calibration data); keep candidates float in that order until
+the budget is met; then try each kept one int8 again, least sensitive first,
+and quantize it where the others already meet the budget, repeating until none
+can go. Explain gives each kept one the measure with it float and with it int8.
 """
 
 from __future__ import annotations
@@ -295,6 +295,12 @@ def keep_float_for_budget(build: Build, candidates: Sequence[str], gauge: _Gauge
     again, once more after each one that could go): with N candidates, at most
     2N + k(k+1)/2. Where no choice meets the budget it warns
     (:class:`AccuracyBudgetNotMet`) and returns the best model measured.
+
+    Example (``build(names)`` converts with those modules' QConfigs None)::
+
+        >>> gauge = gauge_for(qcore.MinSQNR(db=30.0), model, batches)
+        >>> chosen = keep_float_for_budget(build, ["conv1", "layer1.0.conv1", "fc"], gauge)
+        >>> print(qcore.explain(chosen))
     """
     candidates = list(dict.fromkeys(candidates))  # a module called twice is one candidate
     values: dict[frozenset[str], float] = {}
