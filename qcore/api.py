@@ -29,6 +29,7 @@ from qcore.config.errors import describe
 from qcore.config.qconfig import as_qconfig_mapping
 from qcore.config.standard_ops import standard_fusion_config
 from qcore.engine.boundaries import quantize_boundaries
+from qcore.engine.collector import collector_paused
 from qcore.engine.constants import observe_constants
 from qcore.engine.convert import convert_to_reference, state_of
 from qcore.engine.custom_config import (
@@ -280,6 +281,7 @@ def _check_convert_mapping(qconfig_mapping: Any, prepared_with: Any) -> None:
         )
 
 
+@collector_paused()
 def _convert(
     prepared: GraphModule,
     convert_custom_config: Any,

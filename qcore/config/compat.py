@@ -48,8 +48,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,10 +151,37 @@ def observer_facts(obs_or_fq: Any) -> ObserverFacts:
     )
 
 
+_FACTS_SEEN: ContextVar[dict[int, tuple[Any, ObserverFacts]] | None] = ContextVar(
+    "qcore_observer_facts_seen", default=None
+)
+
+
+@contextlib.contextmanager
+def observer_facts_reused() -> Iterator[None]:
+    """Within this block each observer constructor is built once to read its facts:
+    prepare checks one QConfig against the patterns of every node, and a large model
+    built thousands of identical HistogramObservers only to read their dtype."""
+    token = _FACTS_SEEN.set({})
+    try:
+        yield
+    finally:
+        _FACTS_SEEN.reset(token)
+
+
 def _instantiate(qconfig: Any, role: str) -> ObserverFacts | None:
     constructor = getattr(qconfig, role, None)
     if constructor is None:
         return None
+    seen = _FACTS_SEEN.get()
+    if seen is not None and id(constructor) in seen:
+        return seen[id(constructor)][1]
+    facts = _facts_of_constructor(constructor, role)
+    if seen is not None:  # the constructor is kept, so its id is not reused meanwhile
+        seen[id(constructor)] = (constructor, facts)
+    return facts
+
+
+def _facts_of_constructor(constructor: Any, role: str) -> ObserverFacts:
     if not callable(constructor):
         raise ConfigError(
             f"qconfig.{role}: got {describe(constructor)}; expected an observer or fake-quant "

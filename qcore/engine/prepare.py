@@ -18,9 +18,11 @@ from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 from torch.utils._pytree import tree_map
 
 from qcore.config import BackendConfig, BackendPatternConfig, DTypeConfig
+from qcore.config.compat import observer_facts_reused
 from qcore.config.errors import QCoreWarning, caller_stacklevel
 from qcore.engine.backend_annotator import Decision, annotate_with_backend_config, spec_from_ctr
 from qcore.engine.boundaries import output_values
+from qcore.engine.collector import collector_paused
 from qcore.engine.custom_modules import CustomCall, swap_observed
 from qcore.engine.explain import Entry, Report, Status, attach_report
 from qcore.engine.fuse import fuse_graph
@@ -175,6 +177,32 @@ def _swap_qat_modules(gm: GraphModule, decisions: list[Decision]) -> None:
 
 
 def prepare(
+    model: torch.nn.Module,
+    qconfig_mapping: Any,
+    example_inputs: tuple | None,
+    backend_name: str,
+    backend_config: BackendConfig,
+    kernels: tuple,
+    *,
+    is_qat: bool,
+    custom_config: CustomConfig,
+    make_fixed: Any,
+) -> GraphModule:
+    with observer_facts_reused(), collector_paused():
+        return _prepare(
+            model,
+            qconfig_mapping,
+            example_inputs,
+            backend_name,
+            backend_config,
+            kernels,
+            is_qat=is_qat,
+            custom_config=custom_config,
+            make_fixed=make_fixed,
+        )
+
+
+def _prepare(
     model: torch.nn.Module,
     qconfig_mapping: Any,
     example_inputs: tuple | None,
