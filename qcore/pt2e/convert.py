@@ -177,14 +177,7 @@ def convert_reference(
     state = _state_of(prepared)
     # NaN statistics are an error naming the node; skipped NaN/inf one warning
     check_observers(*_observed_graphs(prepared, state), stage="convert_pt2e")
-    # Derived observers keep their spec, which names graph nodes: share it
-    # (it is frozen) rather than deep-copy nodes with their fake tensors.
-    memo = {
-        id(module.spec): module.spec
-        for module in prepared.modules()
-        if isinstance(module, DerivedObserver)
-    }
-    memo[id(state)] = state  # its kernels are not copied only to be dropped below
+    memo = {id(state): state}  # its kernels are not copied only to be dropped below
     gm = quiet_deepcopy(prepared, memo)
     _switch_to_eval(gm)
     _convert_graph(gm, state, decomposed=decomposed, fold=fold_quantize)
