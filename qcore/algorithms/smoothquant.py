@@ -52,7 +52,7 @@ __all__ = ["SEARCH_ALPHAS", "SmoothedLayers", "smooth_quant", "smoothed_layers"]
 aten = torch.ops.aten
 
 SEARCH_ALPHAS = tuple(round(0.1 * step, 1) for step in range(11))
-"""The grid ``alpha="search"`` tries, per group of linears."""
+"""The grid ``alpha="search"`` tries per group of linears, after leaving it as it is."""
 
 _SEARCH_ROWS = 4096  # input rows kept per group to score the search's candidates
 _RELU = {torch.relu, torch.nn.functional.relu, aten.relu.default, aten.relu_.default, "relu"}
@@ -186,24 +186,33 @@ def _search(
     group: list[Node],
     layers: dict[Node, Layer],
     stats: _Statistics,
-) -> float:
-    """The alpha of SEARCH_ALPHAS whose quantized outputs best match the float ones."""
+) -> float | None:
+    """The alpha of SEARCH_ALPHAS whose quantized outputs best match the float ones,
+    or None where the group unsmoothed does better than any."""
     from qcore.pt2e.prepare import PT2E_STATE_KEY
 
     full_range = PT2E_STATE_KEY not in gm.meta or gm.meta[PT2E_STATE_KEY].full_range
-    x = torch.cat(stats.rows)
+    # The input's qparams come from half the batches and the error from the other
+    # half: smoothing brings every channel near the range's edge, and an alpha whose
+    # range fits only the rows it was computed on clips unseen ones.
+    fit, x = _halves(stats.rows)
     weights = [layers[node].weight.detach().float() for node in group]
     expected = [x @ w.t() for w in weights]
     errors = []
-    for alpha in SEARCH_ALPHAS:
-        scale = _scales(stats.absmax, weights, alpha)
+    candidates = (None, *SEARCH_ALPHAS)
+    for alpha in candidates:
+        scale = (
+            torch.ones_like(stats.absmax)
+            if alpha is None
+            else _scales(stats.absmax, weights, alpha)
+        )
         smoothed = x / scale
         observer = gm.get_submodule(group[0].args[0].target)
         if getattr(observer, "is_dynamic", False):  # quantized per batch at run time
             observer = MinMaxObserver(dtype=observer.dtype)
         else:
             observer = copy.deepcopy(observer)
-        observer(smoothed)
+        observer(fit / scale)
         _, x_q = fake_quantize(smoothed, qparams_of(observer, full_range=full_range))
         error = 0.0
         for node, weight, target in zip(group, weights, expected, strict=True):
@@ -213,7 +222,15 @@ def _search(
             _, w_q = fake_quantize(layer.weight, weight_qparams(scratch, twin, layer, fresh=True))
             error += float((x_q @ w_q.float().t() - target).pow(2).mean())
         errors.append(error)
-    return SEARCH_ALPHAS[min(range(len(errors)), key=errors.__getitem__)]
+    return candidates[min(range(len(errors)), key=errors.__getitem__)]
+
+
+def _halves(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Alternate batches, or the two halves of a lone batch's rows."""
+    if len(rows) > 1:
+        return torch.cat(rows[::2]), torch.cat(rows[1::2])
+    middle = max(1, rows[0].shape[0] // 2)
+    return rows[0][:middle], rows[0][middle:] if rows[0].shape[0] > 1 else rows[0]
 
 
 def _label(node: Node) -> str:
@@ -246,7 +263,8 @@ def smooth_quant(
     (0.5, the paper's default; more for larger outliers); a dict ``{layer: alpha}``
     by module name (``"blocks.0.attn.q"``) smooths those layers alone; ``"search"``
     tries ``SEARCH_ALPHAS`` per group of linears sharing an input and keeps the one
-    whose quantized output is closest to the float one on the calibration data.
+    whose quantized output is closest to the float one on the calibration data, or
+    leaves the group as it is where that is closer still.
     ``qcore.algorithms.smoothed_layers(model)`` lists what was smoothed, with which
     alpha, and the linears left as they were with the reason.
 
@@ -302,12 +320,9 @@ def smooth_quant(
                 continue  # not asked for
             (wanted,) = wanted
         others = [user for user in _readers(gm, producer) if user not in group]
-        channels = layers[group[0]].weight.shape[1]
-        if others:
-            reason = f"its input also feeds {others[0].name}, which would see X / s"
-            absorber: Any = reason
-        else:
-            absorber = _absorber(gm, producer, layers, channels)
+        absorber = _absorber(gm, producer, layers, layers[group[0]].weight.shape[1])
+        if others and not isinstance(absorber, str):
+            absorber = f"its input also feeds {others[0].name}, which would see X / s"
         if isinstance(absorber, str):
             results.append(SmoothedLayers(label, _label(producer), None, skipped=absorber))
             continue
@@ -324,8 +339,13 @@ def smooth_quant(
             group, found = groups[producer], stats[producer]
             if found.absmax is None:  # not reached on this data (a branch not taken)
                 continue
+            label = tuple(names[node] for node in group)
             if wanted == "search":
                 wanted = _search(gm, scratch, group, layers, found)
+                if wanted is None:
+                    reason = "alpha='search': its quantized output is closest unsmoothed"
+                    results.append(SmoothedLayers(label, _label(producer), None, skipped=reason))
+                    continue
             scale = _scales(found.absmax, [layers[n].weight for n in group], float(wanted))
             for node in group:
                 layers[node].weight.data.mul_(scale.to(layers[node].weight.dtype))
@@ -333,7 +353,6 @@ def smooth_quant(
             weight.data.div_(scale.reshape(shape).to(weight.dtype))
             if bias is not None:
                 bias.data.div_(scale.to(bias.dtype))
-            label = tuple(names[node] for node in group)
             before, after = _spread(found.absmax), _spread(found.absmax / scale)
             results.append(SmoothedLayers(label, _label(producer), float(wanted), before, after))
     gm.meta[_KEY] = tuple(results)
