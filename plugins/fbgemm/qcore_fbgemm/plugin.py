@@ -37,3 +37,17 @@ def qcore_default_qconfig_mapping(backend, is_qat):
     from qcore.config.qconfig import default_qconfig_mapping
 
     return default_qconfig_mapping(BACKEND, is_qat=is_qat)
+
+
+@hookimpl
+def qcore_recommended_algorithms(backend):
+    """None of qcore's algorithms by default: plain calibration is fbgemm's best.
+
+    fbgemm, as x86, quantizes weights per output channel (each channel its own
+    scale: little for equalization to even out) and activations to 7 bits; bias
+    correction gains on some nets and loses on depthwise ones
+    (benchmarks/ALGORITHMS.md). Ask for them by name where your own model gains.
+    """
+    if backend != BACKEND:
+        return None
+    return []

@@ -74,3 +74,12 @@ def qcore_compile_recipe(backend):
     if backend != BACKEND:
         return None
     return config.inductor_recipe()
+
+
+@hookimpl
+def qcore_recommended_algorithms(backend):
+    """None of qcore's algorithms by default, as for x86 (``plugin.py``), whose
+    per-channel weight quantization onednn shares (benchmarks/ALGORITHMS.md)."""
+    if backend != BACKEND:
+        return None
+    return []

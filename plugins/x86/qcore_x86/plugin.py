@@ -113,3 +113,20 @@ def qcore_compile_recipe(backend):
     if backend != BACKEND:
         return None
     return config.inductor_recipe()
+
+
+@hookimpl
+def qcore_recommended_algorithms(backend):
+    """None of qcore's algorithms by default: plain calibration is x86's best.
+
+    x86 quantizes weights per output channel, so each channel already has its own
+    scale and equalization has little to even out; bias correction gains on plain
+    conv and linear nets and loses on depthwise ones. Measured
+    (benchmarks/ALGORITHMS.md, PT2E, held-out data): correct_bias +0.5 to +0.9 dB
+    on the MLP, ResNet-style net and BERT, -0.8 and -1.3 dB on the two MobileNetV2s;
+    equalize within 0.1 dB of plain on every depthwise net. Ask for them by name
+    where your own model gains.
+    """
+    if backend != BACKEND:
+        return None
+    return []

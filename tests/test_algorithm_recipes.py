@@ -1,0 +1,236 @@
+"""quantize(algorithms=...) and the qcore_recommended_algorithms hook (issue 17 §1).
+
+Algorithms run by name at their stage (equalize and smooth_quant before
+calibration, correct_bias after); a backend's plugin recommends some through a
+hook; a plugin whose hook fails is skipped with a warning, never taking the
+backend or another plugin's answer down.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from backends import installed
+from test_bias_correction import RoundsDown, _data
+from test_registry import linear, plugin_module, registry, spec
+
+import qcore
+from qcore.accuracy import sqnr
+from qcore.algorithms import ALGORITHMS, applied_algorithms, recommended_algorithms
+from qcore.examples import ZOO
+
+FIRST_PARTY = ["x86", "qnnpack", "fbgemm", "onednn"]
+
+
+def _installed_or_skip(backend: str) -> None:
+    if not installed(backend):
+        pytest.skip(f"needs the {backend} plugin")
+
+
+def _quantize(backend: str, algorithms=None, model=None):
+    model = model if model is not None else RoundsDown().eval()
+    return qcore.quantize(model, _data(1)[0], _data(), backend, algorithms=algorithms)
+
+
+# -- the first-party plugins' answers -------------------------------------------
+
+
+@pytest.mark.parametrize("backend", FIRST_PARTY)
+def test_first_party_plugins_answer_with_algorithms_qcore_has(backend):
+    _installed_or_skip(backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", qcore.QCoreWarning)  # nothing dropped or skipped
+        steps = recommended_algorithms(backend)
+    assert steps == qcore.get_backend(backend).recommended_algorithms()
+    for step in steps:
+        assert isinstance(step, qcore.AlgorithmStep) and step.name in ALGORITHMS
+        assert step.reason, f"{backend} recommends {step.name} without saying why"
+
+
+def test_qnnpack_recommends_equalization_for_its_per_tensor_weights():
+    _installed_or_skip("qnnpack")
+    names = [step.name for step in recommended_algorithms("qnnpack")]
+    assert names[0] == "equalize"
+
+
+def test_native_recommends_none():
+    assert qcore.get_backend("native").recommended_algorithms() == ()
+    assert recommended_algorithms("native") == ()
+
+
+# -- the registry keeps a failing plugin from taking others down -----------------
+
+
+def _two_plugins(first_hook):
+    """Backend "m" served by two plugins: the owner (qcore-m) answering
+    ``first_hook``, and an extension recommending correct_bias."""
+    recommended = (qcore.AlgorithmStep("correct_bias", reason="ext"),)
+    owner = plugin_module("m", [linear()], qcore_recommended_algorithms=first_hook)
+    extension = plugin_module(
+        "ext", [linear()], qcore_recommended_algorithms=lambda backend: recommended
+    )
+    reg = registry(spec("m", "qcore-m", owner), spec("m", "qcore-ext", extension))
+    return reg.get("m"), recommended
+
+
+def _raises(backend):
+    raise RuntimeError("vendor SDK missing")
+
+
+@pytest.mark.parametrize(
+    "hook, words",
+    [
+        (_raises, r"plugin qcore-m:m raised in qcore_recommended_algorithms: RuntimeError"),
+        (
+            lambda backend: ["equalize"],
+            r"plugin qcore-m:m: qcore_recommended_algorithms\(\) returned \['equalize'\].*"
+            r"expected a list or tuple of qcore.AlgorithmStep",
+        ),
+    ],
+)
+def test_a_failing_plugin_is_skipped_and_named(hook, words):
+    backend, recommended = _two_plugins(hook)
+    with pytest.warns(qcore.QCoreWarning, match=words):
+        assert backend.recommended_algorithms() == recommended
+    assert len(backend.config) == 1  # the backend itself still loads and quantizes
+
+
+def test_the_owner_answers_first():
+    mine = [qcore.AlgorithmStep("equalize", reason="owner")]
+    backend, _ = _two_plugins(lambda backend: mine)
+    assert backend.recommended_algorithms() == tuple(mine)
+
+
+def test_a_step_this_qcore_lacks_is_dropped_with_a_warning():
+    steps = [qcore.AlgorithmStep("quantum_rounding"), qcore.AlgorithmStep("correct_bias")]
+    module = plugin_module("m", [linear()], qcore_recommended_algorithms=lambda backend: steps)
+    backend = registry(spec("m", "qcore-m", module)).get("m")
+    with pytest.warns(qcore.QCoreWarning, match="unknown algorithm 'quantum_rounding'.*skipped"):
+        assert [s.name for s in recommended_algorithms(backend)] == ["correct_bias"]
+
+
+# -- quantize runs them ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["qnnpack", "x86", "fbgemm"])
+def test_quantize_runs_correct_bias_as_the_pass_does(backend):
+    """Differential: quantize(algorithms=["correct_bias"]) gives the model the
+    manual steps give, and lifts SQNR where rounding is biased."""
+    _installed_or_skip(backend)
+    model = RoundsDown().eval()
+    x = _data(1)[0][0]
+    prepared = qcore.prepare_fx(model, None, _data(1)[0], backend=backend)
+    for batch in _data():
+        prepared(*batch)
+    manual = qcore.convert_fx(qcore.correct_bias(prepared, _data()))
+    plain = _quantize(backend, model=model)
+    corrected = _quantize(backend, ["correct_bias"], model=model)
+    with torch.no_grad():
+        assert torch.equal(corrected(x), manual(x))
+        assert sqnr(model(x), corrected(x)) > sqnr(model(x), plain(x)) + 3.0
+    assert [a.step.name for a in applied_algorithms(corrected)] == ["correct_bias"]
+    assert applied_algorithms(corrected)[0].changed == 2  # fc1 and fc2
+    assert applied_algorithms(plain) == ()
+
+
+def test_before_calibration_steps_run_before_it_whatever_the_order():
+    """equalize listed after correct_bias still runs first (it must see no data)."""
+    _installed_or_skip("qnnpack")
+    entry = ZOO["mobilenetv2_like"]
+    model, data = entry.make_model(), entry.calibration_data(2)
+    both = qcore.quantize(
+        model,
+        data[0],
+        data,
+        "qnnpack",
+        algorithms=["correct_bias", ("equalize", {"relu6_to_relu": True})],
+    )
+    ran = applied_algorithms(both)
+    assert [(a.step.name, a.stage) for a in ran] == [
+        ("equalize", "before calibration"),
+        ("correct_bias", "after calibration"),
+    ]
+    assert ran[0].changed > 0  # relu6_to_relu: pairs across the ReLU6s
+    assert "algorithms: equalize(relu6_to_relu=True)" in str(qcore.explain(both))
+
+
+def test_recommended_runs_what_the_backend_recommends():
+    _installed_or_skip("qnnpack")
+    entry = ZOO["mobilenetv2_like"]
+    model, data = entry.make_model(), entry.calibration_data(2)
+    steps = recommended_algorithms("qnnpack")
+    chosen = qcore.quantize(model, data[0], data, "qnnpack", algorithms="recommended")
+    listed = qcore.quantize(model, data[0], data, "qnnpack", algorithms=list(steps))
+    assert [a.step for a in applied_algorithms(chosen)] == list(steps)
+    with torch.no_grad():
+        assert torch.equal(chosen(*data[0]), listed(*data[0]))
+
+
+def test_the_users_model_is_not_changed():
+    model = RoundsDown().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _quantize("native", ["equalize", "correct_bias"], model=model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# -- errors ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "algorithms, error, words",
+    [
+        (
+            ["equalise"],
+            ValueError,
+            r"algorithms\[0\]: unknown algorithm 'equalise' \(did you "
+            r"mean 'equalize'\?\); expected one of 'correct_bias' \(after calibration\), "
+            r"'equalize' \(before calibration\), 'smooth_quant'",
+        ),
+        (
+            [("equalize", {"alpha": 0.5})],
+            ValueError,
+            r"algorithms\[0\]: equalize takes no option 'alpha'; its options are 'iterations', "
+            r"'relu6_to_relu'",
+        ),
+        ("all", ValueError, r"algorithms: got 'all'; expected None, 'recommended' or a list"),
+        ({"equalize": {}}, TypeError, r"algorithms: got \{'equalize': \{\}\} \(dict\)"),
+        ([3], TypeError, r"algorithms\[0\]: got 3 \(int\); expected an algorithm's name"),
+        ([("equalize", 4)], TypeError, r"options of 'equalize': got 4 \(int\); expected a dict"),
+        (
+            [("equalize", {"iterations": 0})],
+            ValueError,
+            r"algorithms: equalize\(iterations=0\): iterations: got 0 \(int\); expected an int",
+        ),
+    ],
+)
+def test_bad_algorithms_are_named(algorithms, error, words):
+    with pytest.raises(error, match=words):
+        _quantize("native", algorithms)
+
+
+def test_recommended_needs_a_backend_name():
+    config = qcore.get_backend_config("native")
+    with pytest.raises(ValueError, match="algorithms='recommended': backend .* names no"):
+        qcore.quantize(RoundsDown().eval(), _data(1)[0], _data(), config, algorithms="recommended")
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"name": ""}, r"AlgorithmStep.name: got '' \(str\)"),
+        ({"name": "equalize", "options": {1: 2}}, r"AlgorithmStep.options: got \{1: 2\}"),
+        ({"name": "equalize", "reason": 3}, r"AlgorithmStep.reason: got 3 \(int\)"),
+    ],
+)
+def test_a_step_names_the_field_it_refuses(fields, words):
+    with pytest.raises(TypeError, match=words):
+        qcore.AlgorithmStep(**fields)
+
+
+def test_a_step_keeps_its_own_options():
+    options = {"alpha": 0.5}
+    step = qcore.AlgorithmStep("smooth_quant", options)
+    options["alpha"] = 0.9
+    assert step.describe() == "smooth_quant(alpha=0.5)"
