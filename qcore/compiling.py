@@ -21,7 +21,8 @@ Example::
 from __future__ import annotations
 
 import warnings
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -54,37 +55,75 @@ class CompiledModel(torch.nn.Module):
         )
         # Not a submodule: it wraps ``reference``, whose parameters are counted once.
         object.__setattr__(self, "_compiled", compiled)
-        object.__setattr__(self, "_first_call_done", False)
+        object.__setattr__(self, "_compiled_for", set())
         report = report_of(reference)
         if report is not None:
             object.__setattr__(self, _REPORT_ATTRIBUTE, report)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        # torch.compile hands ``options`` to Inductor only, but dynamo reads some of
-        # them too while it traces (freezing decides whether weights become
-        # constants): they are set for the call, compiled or not, and restored.
-        with self._inductor_options(), torch.no_grad() if self.recipe.no_grad else nullcontext():
-            if self._first_call_done:
+        grad = torch.no_grad() if self.recipe.no_grad else nullcontext()
+        signature = _signature(args, kwargs)
+        if signature in self._compiled_for:
+            with grad:
                 return self._compiled(*args, **kwargs)
-            with warnings.catch_warnings():
-                # Inductor's oneDNN lowering copies a tensor with torch.tensor() while it
-                # compiles (torch 2.13): torch's own, at compile time, nothing to act on.
-                warnings.filterwarnings(
-                    "ignore", "To copy construct from a tensor", UserWarning, "torch._inductor"
-                )
-                outputs = self._compiled(*args, **kwargs)
-            object.__setattr__(self, "_first_call_done", True)
-            return outputs
+        # New input shapes: dynamo traces (again), and some recipe options are read
+        # while it traces (Inductor's freezing decides whether weights become
+        # constants), not only by Inductor after it: they are set for the call and
+        # restored. Calls on shapes already compiled skip that (tens of us a call).
+        with self._inductor_options(), grad, warnings.catch_warnings():
+            # Inductor's oneDNN lowering copies a tensor with torch.tensor() while it
+            # compiles (torch 2.13): torch's own, at compile time, nothing to act on.
+            warnings.filterwarnings(
+                "ignore", "To copy construct from a tensor", UserWarning, "torch._inductor"
+            )
+            outputs = self._compiled(*args, **kwargs)
+        self._compiled_for.add(signature)
+        return outputs
 
     def _inductor_options(self) -> AbstractContextManager:
         if self.recipe.compiler != "inductor" or not self.recipe.options:
             return nullcontext()
-        import torch._inductor.config as inductor_config
-
-        return inductor_config.patch(dict(self.recipe.options))
+        return _options_set(self.recipe.options)
 
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}, recipe={self.recipe.describe()}"
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    """What decides whether dynamo compiles again: each tensor's shape, dtype and
+    device, each scalar's value, the type of anything else (a miss only means a
+    call that sets the recipe's options again)."""
+
+    def one(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return (tuple(value.shape), value.dtype, value.device)
+        if isinstance(value, (int, float, bool, str, type(None))):
+            return value
+        if isinstance(value, (tuple, list)):
+            return (type(value), tuple(one(item) for item in value))
+        return type(value)
+
+    return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kwargs.items()))
+
+
+@contextmanager
+def _options_set(options: Mapping[str, Any]) -> Iterator[None]:
+    """Inductor's config ``options`` set for the block and restored after it. Only
+    the keys whose value differs are touched: a compiled small model runs in tens
+    of microseconds, and ``inductor_config.patch`` took about 16 of them per call."""
+    import torch._inductor.config as inductor_config
+
+    changed = {}
+    for key, value in options.items():
+        current = getattr(inductor_config, key)
+        if current != value:
+            changed[key] = current
+            setattr(inductor_config, key, value)
+    try:
+        yield
+    finally:
+        for key, value in changed.items():
+            setattr(inductor_config, key, value)
 
 
 def _path_and_backend(model: Any) -> tuple[str, str]:

@@ -107,6 +107,29 @@ def test_x86_compiles_the_reference_form_to_int8_kernels(path, recwarn):
     assert "oneDNN" in repr(fast)
 
 
+@requires_x86
+def test_a_new_input_shape_compiles_with_the_recipe_again():
+    """Calls on a shape already compiled skip setting the recipe's options; a new
+    shape makes dynamo trace again, and that trace gets them (frozen int8 weights)."""
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+
+    prepared = _prepared("fx", "x86")  # traced for any batch size
+    torch._dynamo.reset()
+    fast = qcore.compile(prepared)
+    (x,) = _data(1)[0]
+    fast(x)
+    fast(x)
+    counters.clear()
+    wider = torch.cat([x, x + 0.01])  # another batch size: dynamo compiles again
+    compiled = fast(wider)
+    assert counters["inductor"]["qconv_weight_prepack_matcher_count"] >= 2
+    assert inductor_config.freezing is False
+    with torch.no_grad():
+        eager = qcore.convert_to_reference_fx(prepared)(wider)
+    assert (compiled - eager).abs().max().item() <= 0.05 * eager.abs().max().item()
+
+
 @pytest.mark.parametrize("backend", ["qnnpack", "fbgemm"])
 def test_a_backend_without_a_recipe_gets_its_eager_kernels(backend):
     if not installed(backend):
