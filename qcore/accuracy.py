@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -286,7 +286,12 @@ def _calls(model: torch.nn.Module, data: Any, input_fn: Any) -> list[tuple[tuple
     return calls
 
 
-def keep_float_for_budget(build: Build, candidates: Sequence[str], gauge: _Gauge) -> GraphModule:
+def keep_float_for_budget(
+    build: Build,
+    candidates: Sequence[str],
+    gauge: _Gauge,
+    float_with: Mapping[str, Sequence[str]] | None = None,
+) -> GraphModule:
     """The model ``build`` gives with the fewest of ``candidates`` float that meets
     ``gauge``'s budget; explain gives each kept layer both measures.
 
@@ -295,6 +300,8 @@ def keep_float_for_budget(build: Build, candidates: Sequence[str], gauge: _Gauge
     again, once more after each one that could go): with N candidates, at most
     2N + k(k+1)/2. Where no choice meets the budget it warns
     (:class:`AccuracyBudgetNotMet`) and returns the best model measured.
+    ``float_with`` names what ``build`` keeps float along with a candidate (its
+    activation: :func:`qcore.keep_float.followers`); explain gives them its reason.
 
     Example (``build(names)`` converts with those modules' QConfigs None)::
 
@@ -332,7 +339,10 @@ def keep_float_for_budget(build: Build, candidates: Sequence[str], gauge: _Gauge
         if gauge.meets(measure(frozenset(kept))):
             break
     else:
-        return _not_met(best[2], best[0], values[best[0]], gauge, len(candidates))
+        model = _not_met(best[2], best[0], values[best[0]], gauge, len(candidates))
+        return mark_kept_float(
+            model, _with_followers(_not_met_reasons(best[0], values[best[0]], gauge), float_with)
+        )
     chosen = frozenset(kept)
     removed = True
     while removed:  # least sensitive first; again after each removal
@@ -349,7 +359,26 @@ def keep_float_for_budget(build: Build, candidates: Sequence[str], gauge: _Gauge
         )
         for name in chosen
     }
-    return mark_kept_float(meeting[chosen], reasons)
+    return mark_kept_float(meeting[chosen], _with_followers(reasons, float_with))
+
+
+def _with_followers(
+    reasons: dict[str, str], float_with: Mapping[str, Sequence[str]] | None
+) -> dict[str, str]:
+    """Each kept candidate's reason, also for what went float with it."""
+    result = dict(reasons)
+    for name, reason in reasons.items():
+        for follower in (float_with or {}).get(name, ()):
+            result.setdefault(follower, f"{reason} (with {name})")
+    return result
+
+
+def _not_met_reasons(kept: frozenset[str], value: float, gauge: _Gauge) -> dict[str, str]:
+    reason = (
+        f"kept float (accuracy budget not met): {gauge.show(value)} with these {len(kept)} "
+        f"float, the best found; budget {gauge.budget}"
+    )
+    return dict.fromkeys(kept, reason)
 
 
 def _not_met(
@@ -365,8 +394,4 @@ def _not_met(
         AccuracyBudgetNotMet,
         stacklevel=4,  # the caller of qcore.quantize
     )
-    reason = (
-        f"kept float (accuracy budget not met): {gauge.show(value)} with these {len(kept)} "
-        f"float, the best found; budget {gauge.budget}"
-    )
-    return mark_kept_float(model, dict.fromkeys(kept, reason))
+    return model

@@ -506,18 +506,20 @@ def quantize(
     base = _check_mapping(qconfig_mapping, resolve_backend(backend)[3], False)
 
     # accuracy_budget tries function calls (add, matmul) too; a layer's speed is its own
-    ops = keep_float.functional_ops(model, converted) if budget is not None else {}
+    found = keep_float.Candidates.of(model, converted) if budget else keep_float.Candidates()
 
     def build_keeping_float(names: frozenset[str]) -> GraphModule:
         if not names:
             return converted
-        return build(keep_float.keep_float_mapping(as_qconfig_mapping(base), names, ops))
+        mapping = as_qconfig_mapping(base)
+        return build(keep_float.keep_float_mapping(mapping, names, found.ops, found.float_with))
 
     if budget is not None:
         chosen = accuracy.keep_float_for_budget(
             build_keeping_float,
-            [*latency.weighted_layers(converted, model), *ops],
+            found.names,
             accuracy.gauge_for(budget, model, calibration_data, input_fn),
+            found.float_with,
         )
     else:
         inputs = _check_inputs(example_inputs)

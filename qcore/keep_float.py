@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,7 +22,15 @@ from torch.fx import GraphModule
 from qcore.engine.explain import Entry, Status, attach_report, report_of
 from qcore.kernels.packed import PackedWeights
 
-__all__ = ["Build", "functional_ops", "keep_float_mapping", "mark_kept_float", "weighted_layers"]
+__all__ = [
+    "Build",
+    "Candidates",
+    "followers",
+    "functional_ops",
+    "keep_float_mapping",
+    "mark_kept_float",
+    "weighted_layers",
+]
 
 #: A quantized function call, as QConfigMapping.set_module_name_object_type_order
 #: names it: (the path of the module whose forward calls it, the function, its index
@@ -88,16 +97,85 @@ def functional_ops(model: torch.nn.Module, converted: GraphModule) -> dict[str, 
     return keys
 
 
-def keep_float_mapping(mapping: Any, names: frozenset[str], ops: Mapping[str, OpKey]) -> Any:
-    """A copy of ``mapping`` with QConfig None for each of ``names``: a module name,
-    or a function call's node name from :func:`functional_ops`."""
+def followers(
+    model: torch.nn.Module,
+    converted: GraphModule,
+    candidates: list[str],
+    ops: Mapping[str, OpKey],
+) -> dict[str, tuple[str, ...]]:
+    """For each candidate, the quantized ops only it feeds and that read nothing
+    else (an activation module after a conv, a relu call), up to the next
+    conv/linear: module names, or node names of function calls in ``ops``.
+    Keeping a conv float while its ReLU6 still quantizes would leave the rounding
+    where it was; these go float with it.
+    """
+    report = report_of(converted)
+    if report is None:
+        return {}
+    quantized = {e.node for e in report.ops if e.status in (Status.QUANTIZED, Status.REFERENCE)}
+    reported = {e.node for e in report.entries}
+    wanted = set(candidates)
+    found: dict[str, list[str]] = defaultdict(list)
+    for node in _traced(model).graph.nodes:
+        leader = node.target if node.op == "call_module" else node.name
+        if leader not in wanted or node.op not in ("call_module", "call_function"):
+            continue
+        current = node
+        while len(current.users) == 1:
+            (user,) = current.users
+            if user.all_input_nodes != [current]:
+                break
+            if user.name not in reported:  # fused into the layer (a batch norm): go on
+                current = user
+                continue
+            if user.name not in quantized:
+                break
+            if user.op == "call_module" and user.target not in wanted:  # not the next layer
+                found[leader].append(user.target)
+            elif user.name in ops:
+                found[leader].append(user.name)
+            else:
+                break
+            current = user
+    return {name: tuple(dict.fromkeys(names)) for name, names in found.items()}
+
+
+def keep_float_mapping(
+    mapping: Any,
+    names: frozenset[str],
+    ops: Mapping[str, OpKey],
+    float_with: Mapping[str, tuple[str, ...]] | None = None,
+) -> Any:
+    """A copy of ``mapping`` with QConfig None for each of ``names`` and what goes
+    float with it (``float_with``, from :func:`followers`): a module name, or a
+    function call's node name from :func:`functional_ops`."""
     mapping = mapping.copy()
-    for name in sorted(names):
+    expanded = set(names)
+    for name in names:
+        expanded.update((float_with or {}).get(name, ()))
+    for name in sorted(expanded):
         if name in ops:
             mapping.set_module_name_object_type_order(*ops[name], None)
         else:
             mapping.set_module_name(name, None)
     return mapping
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """What ``accuracy_budget`` may keep float: the conv/linear layers and the
+    quantized function calls (``names``), the calls' QConfigMapping keys (``ops``),
+    and what goes float with each (``float_with``)."""
+
+    names: list[str] = field(default_factory=list)
+    ops: dict[str, OpKey] = field(default_factory=dict)
+    float_with: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, converted: GraphModule) -> Candidates:
+        ops = functional_ops(model, converted)
+        names = [*weighted_layers(converted, model), *ops]
+        return cls(names, ops, followers(model, converted, names, ops))
 
 
 def mark_kept_float(model: GraphModule, reasons: Mapping[str, str]) -> GraphModule:

@@ -20,7 +20,7 @@ import torch
 from backends import FIRST_PARTY, backend_params, installed
 
 import qcore
-from qcore import accuracy
+from qcore import accuracy, keep_float
 from qcore.engine.explain import Status
 from qcore.keep_float import weighted_layers
 
@@ -55,16 +55,16 @@ def _backend() -> str:
     pytest.skip("needs a first-party backend")
 
 
-class ChainTail(Chain):
-    """Its output through a quantized Hardswish module, which is no candidate: no
-    choice of float layers and function calls makes it exact."""
+class ChainHead(Chain):
+    """Its input through a quantized Hardswish module, which is no candidate and
+    follows none: no choice of float layers and function calls makes it exact."""
 
     def __init__(self, sensitive: tuple[str, ...] = ("b", "d")) -> None:
         super().__init__(sensitive)
-        self.tail = torch.nn.Hardswish()
+        self.head = torch.nn.Hardswish()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tail(super().forward(x))
+        return super().forward(self.head(x))
 
 
 class ChainAdd(Chain):
@@ -259,7 +259,7 @@ def test_a_lower_is_better_metric_calibration_data_by_default(drop_type):
 
 
 def test_an_impossible_budget_warns_with_the_best_and_returns_it():
-    model, data = ChainTail(("b", "d")).eval(), _data()
+    model, data = ChainHead(("b", "d")).eval(), _data()
     with pytest.warns(qcore.AccuracyBudgetNotMet) as caught:
         chosen = qcore.quantize(model, (data[0],), data, backend=_backend(), accuracy_budget=300.0)
     warning = next(w for w in caught if w.category is qcore.AccuracyBudgetNotMet)
@@ -269,7 +269,8 @@ def test_an_impossible_budget_warns_with_the_best_and_returns_it():
     assert message.startswith(
         f"accuracy_budget: 300 dB not met: the best found is SQNR {best:.1f} dB with "
     )
-    kept = _float_layers(chosen)
+    report = qcore.explain(chosen)
+    kept = {e.node for e in report.float if e.reason.startswith("kept float (accuracy budget")}
     assert f"with {len(kept)} of 4 candidates float ({', '.join(sorted(kept))})" in message
     assert {"b", "d"} <= kept  # the best has the sensitive ones float
     reason = qcore.explain(chosen)["b"].reason
@@ -397,3 +398,29 @@ def test_a_module_called_twice_is_one_candidate():
     assert _sqnr(model, chosen, data) >= 25
     through_quantize = qcore.quantize(model, (data[0],), data, _backend(), accuracy_budget=25)
     assert qcore.explain(through_quantize)["b_1"].reason == report["b_1"].reason
+
+
+class ChainAct(Chain):
+    """The sensitive b followed by a Hardswish module that only it feeds."""
+
+    def __init__(self) -> None:
+        super().__init__(("b",))
+        self.act = torch.nn.Hardswish()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.b(torch.relu(self.a(x))))
+        return self.d(torch.relu(self.c(h)))
+
+
+def test_an_activation_only_its_layer_feeds_goes_float_with_it():
+    model, data = ChainAct().eval(), _data()
+    converted = qcore.quantize(model, (data[0],), data, backend=_backend())
+    found = keep_float.Candidates.of(model, converted)
+    assert found.names == ["a", "b", "c", "d"]
+    assert found.float_with == {"b": ("act",)}
+    chosen = qcore.quantize(model, (data[0],), data, backend=_backend(), accuracy_budget=30)
+    report = qcore.explain(chosen)
+    assert report["b"].reason.startswith("kept float (accuracy budget): SQNR")
+    assert report["act"].reason == report["b"].reason + " (with b)"
+    assert {e.node for e in report.float if "accuracy budget" in e.reason} == {"b", "act"}
+    assert _sqnr(model, chosen, data) >= 30
