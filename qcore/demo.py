@@ -53,10 +53,24 @@ class DemoResult:
     """That model's SQNR, measured as ``sqnr_db`` is."""
     budget_note: str = ""
     """Why there is no such model ("FX only", the error), or "not met"."""
+    faster_speedup: float = float("nan")
+    """Where int8 measured slower than float: float's latency over that of
+    ``qcore.quantize(keep_float_if_slower=True)``'s model (FX), the two measured
+    in turn; else NaN."""
+    kept_for_speed: dict[str, str] = field(default_factory=dict)
+    """That model's layers kept float: node -> its two timings."""
 
     @property
     def speedup(self) -> float:
         return self.float_ms / self.int8_ms if self.int8_ms else float("nan")
+
+    @property
+    def recommended_speedup(self) -> float:
+        """The speedup as qcore recommends running the model: int8 where it is
+        faster, each layer whose int8 form is slower kept float."""
+        if math.isnan(self.faster_speedup):
+            return self.speedup
+        return max(self.speedup, self.faster_speedup)
 
 
 def _first_tensor(output: Any) -> torch.Tensor:
@@ -239,6 +253,41 @@ def _keep_float_for(result: DemoResult, entry: ZooEntry, batches: int, min_sqnr:
     result.budget_sqnr_db = _eval_sqnr(entry, model, chosen)
 
 
+def _keep_float_where_slower(
+    result: DemoResult, entry: ZooEntry, batches: int, repeats: int
+) -> None:
+    """Where int8 measured slower than float on the FX path: the model
+    ``qcore.quantize(keep_float_if_slower=True)`` returns, its latency measured as
+    the others are, and the layers it keeps float."""
+    from qcore.api import explain, quantize
+
+    model = entry.make_model()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", QCoreWarning)
+            faster = quantize(
+                model,
+                entry.example_inputs(),
+                entry.calibration_data(batches),
+                result.backend,
+                _mapping(result.backend, entry),
+                keep_float_if_slower=True,
+            )
+    except Exception:  # noqa: BLE001 - the row keeps its int8 figure; one failure must not end the demo
+        return
+    result.kept_for_speed = {
+        kept.node: kept.reason
+        for kept in explain(faster).float
+        if kept.reason.startswith("kept float (keep_float_if_slower")
+    }
+    inputs = entry.example_inputs()
+    float_ms, faster_ms = [], []
+    for _ in range(3):  # in turn, so a burst of load hits both alike
+        float_ms.append(_latency_ms(model, inputs, repeats))
+        faster_ms.append(_latency_ms(faster, inputs, repeats))
+    result.faster_speedup = min(float_ms) / min(faster_ms)
+
+
 def _demo_backends(requested: Iterable[str] | None) -> list[str]:
     if requested:
         return list(requested)
@@ -286,9 +335,17 @@ def _row(result: DemoResult) -> list[str]:
         _sqnr_cell(result),
         f"{result.float_ms:.2f}",
         f"{result.int8_ms:.2f}",
-        f"{result.speedup:.2f}x",
+        _speedup_cell(result),
         f"{result.float_bytes / 1024:.0f} -> {result.int8_bytes / 1024:.0f} KiB",
     ]
+
+
+def _speedup_cell(result: DemoResult) -> str:
+    """float / int8 latency; where int8 was slower, that and the speedup with the
+    slower layers kept float (``keep_float_if_slower``), marked *."""
+    if math.isnan(result.faster_speedup):
+        return f"{result.speedup:.2f}x"
+    return f"{result.speedup:.2f}x -> {result.recommended_speedup:.2f}x*"
 
 
 def _budget_cell(result: DemoResult) -> str:
@@ -348,6 +405,38 @@ def _write_kept(results: list[DemoResult], min_sqnr: float, stream: TextIO) -> N
             stream.write(_wrap(f"{node}: {reason}", "    "))
 
 
+def _write_slower(results: list[DemoResult], stream: TextIO) -> None:
+    """Rows whose int8 model ran slower than float, and the way out."""
+    slower = [r for r in results if not r.error and r.speedup < 1.0]
+    if not slower:
+        return
+    stream.write(
+        "\n"
+        + _wrap(
+            "SLOWER IN INT8 than float on this machine (small layers do not earn back "
+            "quantizing their inputs). * is qcore.quantize(..., keep_float_if_slower=True), "
+            "which measures each conv/linear and keeps float those faster in float:",
+            "",
+        )
+    )
+    for result in slower:
+        where = f"  {result.backend} / {result.model} ({result.path}): "
+        if result.path != "fx":
+            stream.write(
+                _wrap(
+                    where + f"{result.speedup:.2f}x; keep_float_if_slower is on the FX path "
+                    "(its row shows what it gives)",
+                    "",
+                )
+            )
+            continue
+        if math.isnan(result.faster_speedup):
+            stream.write(_wrap(where + "keep_float_if_slower failed; int8 kept", ""))
+            continue
+        kept = ", ".join(result.kept_for_speed) or "nothing (no layer is faster float)"
+        stream.write(_wrap(where + f"{result.recommended_speedup:.2f}x with float: {kept}", ""))
+
+
 def run_demo(
     backends: Iterable[str] | None = None,
     models: Iterable[str] | None = None,
@@ -381,6 +470,12 @@ def run_demo(
         for entry in entries:
             for path in chosen_paths:
                 result = _measure(name, entry, path, batches, repeats, progress_stream)
+                if path == "fx" and not result.error and result.speedup < 1.0:
+                    progress_stream.write(
+                        f"  {entry.name}: int8 slower than float; measuring which layers "
+                        "to keep float\n"
+                    )
+                    _keep_float_where_slower(result, entry, batches, repeats)
                 if min_sqnr is not None and not result.error:
                     if path == "fx":
                         progress_stream.write(
@@ -393,6 +488,7 @@ def run_demo(
         f"{torch.get_num_threads()} thread(s)\n\n"
     )
     stream.write(format_results(results) + "\n")
+    _write_slower(results, stream)
     if min_sqnr is not None:
         _write_kept(results, min_sqnr, stream)
     floats = [r for r in results if r.float_ops]

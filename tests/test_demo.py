@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from backends import installed
 
 
@@ -90,3 +91,47 @@ def test_demo_min_sqnr_shows_the_layers_kept_float_and_why():
     assert {node for node, _, _ in reasons} == {
         e.node for e in report.float if e.reason.startswith("kept float (accuracy budget)")
     }
+
+
+def _int8_slower_clock(model) -> float:
+    """1 ms per conv/linear on a kernel, 0.5 ms each in float: int8 is slower."""
+    import qcore
+    from qcore.engine.explain import Status
+
+    try:
+        report = qcore.explain(model)
+    except TypeError:  # the float model
+        return 1e-3 * sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    seconds = 0.0
+    for entry in report.ops:
+        if entry.op.lower().startswith("linear"):
+            seconds += 2e-3 if entry.status is Status.QUANTIZED else 1e-3
+    return seconds
+
+
+@pytest.mark.skipif(not installed("x86"), reason="needs the x86 plugin")
+def test_demo_says_where_int8_is_slower_and_shows_keep_float_if_slower(monkeypatch):
+    """Issue 15 §3: a row whose int8 model runs slower than float shows the speedup
+    qcore.quantize(keep_float_if_slower=True) gives, and which layers it keeps float.
+    The clock is injected: int8 linears cost twice their float form."""
+    import io
+
+    from qcore import demo as demo_module
+    from qcore import latency
+
+    monkeypatch.setattr(
+        demo_module, "_latency_ms", lambda model, inputs, repeats: 1e3 * _int8_slower_clock(model)
+    )
+    monkeypatch.setattr(latency, "measure_latency", lambda inputs: _int8_slower_clock)
+    out = io.StringIO()
+    (result,) = demo_module.run_demo(
+        ["x86"], ["mlp"], ["fx"], stream=out, progress_stream=io.StringIO()
+    )
+    text = out.getvalue()
+    assert result.speedup < 1.0
+    assert result.recommended_speedup == pytest.approx(1.0)  # every linear kept float
+    assert set(result.kept_for_speed) == {"body_0", "body_2", "body_4", "head"}
+    row = next(line for line in text.splitlines() if line.startswith("x86 "))
+    assert "0.50x -> 1.00x*" in row
+    assert "SLOWER IN INT8" in text
+    assert "x86 / mlp (fx): 1.00x with float: body_0, body_2, body_4, head" in text
