@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -43,6 +44,7 @@ from qcore.engine.fuse import fuse_graph
 from qcore.engine.lower import lower
 from qcore.engine.prepare import prepare
 from qcore.engine.qconfigs import qconfig_mappings_equal
+from qcore.engine.standalone import convert_standalone_modules, input_qparams
 from qcore.engine.trace import trace
 from qcore.plugin import NATIVE, BackendLoadError, UnknownBackendError, get_backend, list_backends
 
@@ -205,6 +207,17 @@ def _prepare(
         is_qat=is_qat,
         custom_config=custom_config,
         make_fixed=_make_fixed,
+        prepare_standalone=lambda module, settings, qconfig: _prepare(
+            module,
+            # torch.ao's defaults: the call's QConfig in the parent, the parent's backend
+            settings.qconfig_mapping or {"": qconfig},
+            settings.example_inputs,
+            settings.backend_config or name,
+            settings.prepare_custom_config,
+            None,
+            is_qat,
+            inputs_optional=True,
+        ),
     )
     copy_preserved(model, prepared, custom_config.preserved_attributes)
     return prepared
@@ -298,12 +311,28 @@ def _convert(
     observe_constants(prepared)
     converted = convert_to_reference(prepared)
     custom = swap_quantized(prepared, converted, state.custom_calls, settings)
+    standalone_qparams = input_qparams(converted, state.standalone_calls)
     lowered: set[str] = set()
     if to_kernels:
         kernels = state.kernels + custom_kernels(custom, state.backend_name)
         converted = lower(converted, kernels, state.backend_name)
         lowered = {entry.node for entry in explain(converted).quantized}
     quantize_inputs_for(converted, custom, skip=lowered)
+    convert_standalone_modules(
+        prepared,
+        converted,
+        state.standalone_calls,
+        standalone_qparams,
+        # its own state; the parent's custom module classes, not its preserved attributes
+        lambda standalone: _convert(
+            standalone,
+            dataclasses.replace(settings, preserved_attributes=()),
+            remove_qconfig,
+            None,
+            None,
+            to_kernels=to_kernels,
+        ),
+    )
     quantize_boundaries(converted, state.quantized_inputs, state.quantized_outputs)
     if remove_qconfig:  # torch.ao's _remove_qconfig: the converted model carries none
         for module in converted.modules():

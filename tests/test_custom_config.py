@@ -259,13 +259,6 @@ def test_an_output_index_beyond_the_outputs_is_an_error_naming_it():
 # -- refused, by name ------------------------------------------------------------------------
 
 
-def test_standalone_modules_are_refused_by_name():
-    model, x = TwoLinears().eval(), torch.randn(8, 4)
-    config = {"standalone_module_name": [("second", None, (x,), None, None)]}
-    with pytest.raises(UnsupportedSetting, match="standalone_module_names"):
-        qcore.prepare_fx(model, default_qconfig_mapping(), (x,), "fbgemm", config)
-
-
 def test_unknown_custom_config_key_is_refused():
     model, x = TwoLinears().eval(), torch.randn(8, 4)
     with pytest.raises(UnsupportedSetting, match="'non_traceable_module'"):

@@ -34,7 +34,7 @@ from qcore.quantizer.spec import (
     SharedQuantizationSpec,
 )
 
-__all__ = ["Decision", "annotate_with_backend_config"]
+__all__ = ["Decision", "annotate_with_backend_config", "reuse_observed_inputs"]
 
 _QUANTIZED_DTYPES = {
     torch.quint8,
@@ -202,7 +202,7 @@ def annotate_with_backend_config(
         decisions.append(Decision(match, qconfig, dtype_config))
         indexes = match.config._input_type_to_index or op_indexes.get(match.root.target, {})
         _annotate(match, qconfig, dtype_config, tensor_nodes, annotations, spec_cache, indexes)
-    _reuse_observed_inputs(annotations)
+    reuse_observed_inputs(annotations)
     return annotations, decisions, entries
 
 
@@ -223,7 +223,7 @@ def _resolved(point: Any, annotations: dict[Node, QuantizationAnnotation]) -> An
     return None
 
 
-def _reuse_observed_inputs(annotations: dict[Node, QuantizationAnnotation]) -> None:
+def reuse_observed_inputs(annotations: dict[Node, QuantizationAnnotation]) -> None:
     """torch.ao FX observes an input only when its producer's output is not already
     quantized to the same dtype: the consumer then reads the producer's observer.
 

@@ -25,7 +25,7 @@ from qcore import ops
 from qcore.engine.custom_config import UnsupportedSetting
 from qcore.kernels.runtime import quiet_quantized_tensors
 
-__all__ = ["output_values", "quantize_boundaries"]
+__all__ = ["as_quantized", "output_values", "quantize_boundaries"]
 
 
 def _dequantize_inputs(gm: GraphModule, indexes: tuple[int, ...]) -> None:
@@ -48,8 +48,9 @@ def _is_call(node: Any, function: Any) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target is function
 
 
-def _as_quantized(gm: GraphModule, node: Any, index: int) -> Node:
-    """The torch quantized tensor behind the output value ``node``."""
+def as_quantized(gm: GraphModule, node: Any, what: str) -> Node:
+    """The torch quantized tensor behind the float value ``node`` (``what`` names it
+    in the error when it is not quantized)."""
     if isinstance(node, Node) and node.op == "call_method" and node.target == "dequantize":
         return node.args[0]  # a kernel's int8 output, dequantized for a float user
     if _is_call(node, ops.dequantize_per_tensor):  # reference form: plain integers
@@ -60,9 +61,8 @@ def _as_quantized(gm: GraphModule, node: Any, index: int) -> Node:
                 torch._make_per_tensor_quantized_tensor, (quantized, scale, zero_point)
             )
     raise UnsupportedSetting(
-        f"prepare_custom_config.output_quantized_indexes: output {index} is not quantized "
-        f"per tensor (it comes from {getattr(node, 'name', node)!r}); qcore.explain(model) says "
-        "why, or drop the index to return it in float"
+        f"{what} is not quantized per tensor (it comes from {getattr(node, 'name', node)!r}); "
+        "qcore.explain(model) says why, or drop the index to pass it in float"
     )
 
 
@@ -85,7 +85,8 @@ def _quantize_outputs(gm: GraphModule, indexes: tuple[int, ...]) -> None:
                 f"prepare_custom_config.output_quantized_indexes: got {index}; the model "
                 f"returns {len(values)} output(s)"
             )
-        values[index] = _as_quantized(gm, values[index], index)
+        where = f"prepare_custom_config.output_quantized_indexes: output {index}"
+        values[index] = as_quantized(gm, values[index], where)
     if isinstance(value, dict):
         new_value: Any = dict(zip(value, values, strict=True))
     elif isinstance(value, (tuple, list)):
