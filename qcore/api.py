@@ -37,7 +37,12 @@ from qcore.engine.custom_config import (
     as_custom_config,
     copy_preserved,
 )
-from qcore.engine.custom_modules import custom_kernels, quantize_inputs_for, swap_quantized
+from qcore.engine.custom_modules import (
+    custom_kernels,
+    quantize_inputs_for,
+    swap_quantized,
+    tuple_output_qparams,
+)
 from qcore.engine.decomposed import to_decomposed
 from qcore.engine.explain import Report, report_of
 from qcore.engine.fuse import fuse_graph
@@ -311,13 +316,14 @@ def _convert(
     observe_constants(prepared)
     converted = convert_to_reference(prepared)
     custom = swap_quantized(prepared, converted, state.custom_calls, settings)
+    leaves = tuple_output_qparams(converted, custom)
     standalone_qparams = input_qparams(converted, state.standalone_calls)
     lowered: set[str] = set()
     if to_kernels:
         kernels = state.kernels + custom_kernels(custom, state.backend_name)
         converted = lower(converted, kernels, state.backend_name)
         lowered = {entry.node for entry in explain(converted).quantized}
-    quantize_inputs_for(converted, custom, skip=lowered)
+    quantize_inputs_for(converted, custom, skip=lowered, leaves=leaves)
     convert_standalone_modules(
         prepared,
         converted,

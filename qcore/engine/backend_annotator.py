@@ -20,7 +20,6 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from qcore.config import BackendConfig, BackendPatternConfig, DTypeConfig, ObservationType
 from qcore.config.compat import find_accepting_dtype_config
 from qcore.config.pattern import format_pattern
-from qcore.engine.custom_config import UnsupportedSetting
 from qcore.engine.explain import Entry, Status, op_name
 from qcore.engine.match import Match, find_matches, node_op
 from qcore.engine.qconfigs import pattern_qconfig
@@ -34,7 +33,12 @@ from qcore.quantizer.spec import (
     SharedQuantizationSpec,
 )
 
-__all__ = ["Decision", "annotate_with_backend_config", "reuse_observed_inputs"]
+__all__ = [
+    "Decision",
+    "annotate_with_backend_config",
+    "returns_container",
+    "reuse_observed_inputs",
+]
 
 _QUANTIZED_DTYPES = {
     torch.quint8,
@@ -164,6 +168,12 @@ def annotate_with_backend_config(
         match = matches.get(node)
         if match is not None and match.output not in tensor_nodes:
             match = None  # list arithmetic (``[1] * n``), a bool mask: nothing to quantize
+        if returns_container(node):
+            # an op on a whole tuple (nn.Identity on LSTM's (out, (h, c))): observers take
+            # one tensor, so it runs in float on what it is given
+            reason = "passes a tuple or list of tensors along, not one tensor"
+            entries[node.name] = Entry(node.name, op, Status.NOT_AN_OP, reason)
+            continue
         if match is None and node not in tensor_nodes:
             reason = "computes no floating-point tensor (a shape, a size, a mask)"
             entries[node.name] = Entry(node.name, op, Status.NOT_AN_OP, reason)
@@ -204,6 +214,12 @@ def annotate_with_backend_config(
         _annotate(match, qconfig, dtype_config, tensor_nodes, annotations, spec_cache, indexes)
     reuse_observed_inputs(annotations)
     return annotations, decisions, entries
+
+
+def returns_container(node: Node) -> bool:
+    """A tuple, list or dict of values (TensorMetadata is a NamedTuple: one tensor)."""
+    meta = node.meta.get("tensor_meta")
+    return isinstance(meta, (tuple, list, dict)) and not isinstance(meta, TensorMetadata)
 
 
 def _resolved(point: Any, annotations: dict[Node, QuantizationAnnotation]) -> Any:
@@ -249,18 +265,15 @@ def _annotate_custom_call(
     annotations: dict[Node, QuantizationAnnotation],
     cache: dict[int, QuantizationSpec],
 ) -> None:
-    if not isinstance(node.meta.get("tensor_meta"), TensorMetadata):
-        raise UnsupportedSetting(
-            f"custom module {node.target!r}: its output is not one tensor; qcore swaps custom "
-            "module classes whose forward returns a single tensor (torch.ao's LSTM special "
-            "case is not supported): leave it float with non_traceable_module_class instead"
-        )
     spec = spec_from_ctr(qconfig.activation, cache)
     annotation = annotations.setdefault(node, QuantizationAnnotation(_annotated=True))
     for _, arg in _flat_node_args(node):
         if arg in tensor_nodes:
             annotation.input_qspec_map[arg] = spec
-    if node in tensor_nodes:
+    # A tuple output (torch.ao's LSTM: (out, (h, c))) is not observed here: the
+    # quantized module gives each element its own qparams (convert reads them).
+    meta = node.meta.get("tensor_meta")
+    if isinstance(meta, TensorMetadata) or (meta is None and node in tensor_nodes):
         annotation.output_qspec = spec
 
 

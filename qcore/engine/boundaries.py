@@ -25,7 +25,7 @@ from qcore import ops
 from qcore.engine.custom_config import UnsupportedSetting
 from qcore.kernels.runtime import quiet_quantized_tensors
 
-__all__ = ["as_quantized", "output_values", "quantize_boundaries"]
+__all__ = ["as_quantized", "output_values", "quantize_boundaries", "skip_requantize"]
 
 
 def _dequantize_inputs(gm: GraphModule, indexes: tuple[int, ...]) -> None:
@@ -108,3 +108,38 @@ def quantize_boundaries(
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
+
+
+def skip_requantize(
+    gm: GraphModule, quantized: Node, scale: float, zero_point: int, dtype: torch.dtype
+) -> None:
+    """``quantize_per_tensor(x.dequantize(), scale, zero_point, dtype)`` where ``x``
+    (``quantized``) already has exactly those qparams is ``x``: the kernel after it
+    takes the int8 tensor as is (torch.ao's rule for a producer's int8 output)."""
+    for dequantize in list(quantized.users):
+        if dequantize.op != "call_method" or dequantize.target != "dequantize":
+            continue
+        for user in list(dequantize.users):
+            if not _is_call(user, torch.quantize_per_tensor):
+                continue
+            _, user_scale, user_zero_point, user_dtype = user.args
+            same = (
+                _constant(gm, user_scale) == float(scale)
+                and _constant(gm, user_zero_point) == int(zero_point)
+                and user_dtype == dtype
+            )
+            if same:
+                user.replace_all_uses_with(quantized)
+                gm.graph.erase_node(user)
+
+
+def _constant(gm: GraphModule, arg: Any) -> float | None:
+    """A scalar argument's value, read from its buffer when it is a ``get_attr``."""
+    if isinstance(arg, Node):
+        if arg.op != "get_attr":
+            return None
+        owner_name, _, name = arg.target.rpartition(".")
+        arg = getattr(gm.get_submodule(owner_name) if owner_name else gm, name)
+    if isinstance(arg, torch.Tensor):
+        return float(arg.reshape(-1)[0]) if arg.numel() == 1 else None
+    return float(arg)

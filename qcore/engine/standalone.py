@@ -30,7 +30,7 @@ from torch.fx import GraphModule, Node
 
 from qcore import ops
 from qcore.engine.backend_annotator import reuse_observed_inputs, spec_from_ctr
-from qcore.engine.boundaries import as_quantized
+from qcore.engine.boundaries import as_quantized, skip_requantize
 from qcore.engine.custom_config import CustomConfig, Standalone, UnsupportedSetting
 from qcore.engine.explain import Entry, Status
 from qcore.engine.observe import OBSERVER_PREFIX
@@ -239,38 +239,12 @@ def _convert_with(
 
 
 def _skip_requantize(converted: GraphModule, given: dict[int, InputQParams]) -> None:
-    """``quantize_per_tensor(x.dequantize(), s, z)`` on an input x that arrives with
-    exactly (s, z) is x: the kernel takes the parent's int8 tensor."""
-    graph = converted.graph
-    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    """The inputs arrive with exactly the given qparams: no requantize after them."""
+    placeholders = [node for node in converted.graph.nodes if node.op == "placeholder"]
     for index, (scale, zero_point, _, _, dtype) in given.items():
-        for dequantize in list(placeholders[index].users):
-            if dequantize.op != "call_method" or dequantize.target != "dequantize":
-                continue
-            for user in list(dequantize.users):
-                if user.op != "call_function" or user.target is not torch.quantize_per_tensor:
-                    continue
-                _, user_scale, user_zero_point, user_dtype = user.args
-                same = (
-                    _value(converted, user_scale) == float(scale)
-                    and _value(converted, user_zero_point) == int(zero_point)
-                    and user_dtype == dtype
-                )
-                if same:
-                    user.replace_all_uses_with(placeholders[index])
-    graph.eliminate_dead_code()
+        skip_requantize(converted, placeholders[index], scale, zero_point, dtype)
+    converted.graph.eliminate_dead_code()
     converted.recompile()
-
-
-def _value(gm: GraphModule, arg: Any) -> float | None:
-    if isinstance(arg, Node):
-        if arg.op != "get_attr":
-            return None
-        owner_name, _, name = arg.target.rpartition(".")
-        arg = getattr(gm.get_submodule(owner_name) if owner_name else gm, name)
-    if isinstance(arg, torch.Tensor):
-        return float(arg.reshape(-1)[0]) if arg.numel() == 1 else None
-    return float(arg)
 
 
 def _dequantize_outputs(gm: GraphModule, node: Node, indexes: tuple[int, ...]) -> None:
