@@ -32,8 +32,8 @@ from qcore.config.standard_ops import standard_fusion_config
 from qcore.engine.boundaries import quantize_boundaries
 from qcore.engine.constants import observe_constants
 from qcore.engine.convert import convert_to_reference, state_of
+from qcore.engine.convert_mapping import with_convert_mapping
 from qcore.engine.custom_config import (
-    UnsupportedSetting,
     as_custom_config,
     copy_preserved,
 )
@@ -48,7 +48,6 @@ from qcore.engine.explain import Report, report_of
 from qcore.engine.fuse import fuse_graph
 from qcore.engine.lower import lower
 from qcore.engine.prepare import prepare
-from qcore.engine.qconfigs import qconfig_mappings_equal
 from qcore.engine.standalone import convert_standalone_modules, input_qparams
 from qcore.engine.trace import trace
 from qcore.plugin import NATIVE, BackendLoadError, UnknownBackendError, get_backend, list_backends
@@ -282,22 +281,6 @@ def _check_same_backend(prepared: GraphModule, backend_config: Any) -> None:
         )
 
 
-def _check_convert_mapping(qconfig_mapping: Any, prepared_with: Any) -> None:
-    """torch.ao's convert takes the prepare mapping again (a no-op) or one that sets
-    some QConfigs to None; qcore takes the first and refuses the second by name."""
-    if qconfig_mapping is None:
-        return
-    same = prepared_with is not None and qconfig_mappings_equal(
-        as_qconfig_mapping(qconfig_mapping), as_qconfig_mapping(prepared_with)
-    )
-    if not same:
-        raise UnsupportedSetting(
-            f"qconfig_mapping: got {describe(qconfig_mapping)}; changing QConfigs at convert is "
-            "not supported: pass the mapping you want to prepare_fx (convert takes that "
-            "same mapping again, or none)"
-        )
-
-
 def _convert(
     prepared: GraphModule,
     convert_custom_config: Any,
@@ -311,8 +294,9 @@ def _convert(
     swapped, lowered to the backend's kernels when ``to_kernels``."""
     _check_same_backend(prepared, backend_config)
     settings = as_custom_config(convert_custom_config, "convert_custom_config")
+    state_of(prepared)
+    prepared = with_convert_mapping(prepared, qconfig_mapping)
     state = state_of(prepared)
-    _check_convert_mapping(qconfig_mapping, state.qconfig_mapping)
     observe_constants(prepared)
     converted = convert_to_reference(prepared)
     custom = swap_quantized(prepared, converted, state.custom_calls, settings)
