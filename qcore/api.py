@@ -298,7 +298,7 @@ def _convert(
     prepared = with_convert_mapping(prepared, qconfig_mapping)
     state = state_of(prepared)
     observe_constants(prepared)
-    converted = convert_to_reference(prepared)
+    converted = convert_to_reference(prepared, for_lowering=to_kernels)
     custom = swap_quantized(prepared, converted, state.custom_calls, settings)
     leaves = tuple_output_qparams(converted, custom)
     standalone_qparams = input_qparams(converted, state.standalone_calls)
