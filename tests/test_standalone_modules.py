@@ -137,3 +137,11 @@ def test_int8_input_without_a_parent_qconfig_is_an_error_naming_it():
     config = {"standalone_module_name": [("block", {"": default_qconfig}, (x,), INT8, None)]}
     with pytest.raises(UnsupportedSetting, match="'block' takes quantized inputs \\[0\\]"):
         qcore.prepare_fx(model, mapping, (x,), "fbgemm", config)
+
+
+def test_converting_an_int8_interface_standalone_module_alone_is_an_error():
+    """Its quantized input's qparams are the parent's: alone it has none to use."""
+    model, x = Parent().eval(), torch.randn(2, 3, 8, 8)
+    prepared, _ = _quantize(model, {"": default_qconfig}, x, _config("name", INT8, x))
+    with pytest.raises(ValueError, match="convert the parent"):
+        qcore.convert_fx(prepared.block)

@@ -56,6 +56,23 @@ class ParentQParamsObserver(FixedQParamsObserver):
     """A standalone module's quantized input: the qparams of the int8 tensor its
     parent passes in, set at the parent's convert; it observes nothing itself."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.given = False
+
+    def give(self, scale: float, zero_point: int) -> None:
+        self.scale.fill_(scale)
+        self.zero_point.fill_(zero_point)
+        self.given = True
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.given:
+            raise ValueError(
+                "a standalone module's quantized input takes its qparams from its parent "
+                "model: convert the parent (convert_fx(parent)), not the standalone module alone"
+            )
+        return super().calculate_qparams()
+
 
 @dataclass(frozen=True)
 class StandaloneCall:
@@ -231,8 +248,7 @@ def _convert_with(
             if user.op == "call_module":
                 observer = prepared.get_submodule(user.target)
                 if isinstance(observer, ParentQParamsObserver):
-                    observer.scale.fill_(scale)
-                    observer.zero_point.fill_(zero_point)
+                    observer.give(scale, zero_point)
     converted = convert_one(prepared)
     _skip_requantize(converted, given)
     return converted
