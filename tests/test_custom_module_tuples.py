@@ -105,3 +105,85 @@ def test_reference_form_of_a_tuple_output_runs_on_int8():
     for value, expected in pairs:
         # same int8 inputs; the reference linears round once in float: a step at most
         torch.testing.assert_close(value, expected, rtol=0, atol=0.05)
+
+
+class Split(nn.Module):
+    """A float custom module returning two tensors."""
+
+    def forward(self, x):
+        return torch.relu(x), torch.sigmoid(x)
+
+
+class ObservedSplit(Split):
+    @classmethod
+    def from_float(cls, float_module):
+        return cls()
+
+
+class QuantizedSplit(nn.Module):
+    """Runs on int8: relu keeps its input's qparams, sigmoid gives torch's fixed ones."""
+
+    def forward(self, x):
+        return torch.relu(x), torch.sigmoid(x)
+
+    @classmethod
+    def from_observed(cls, observed):
+        return cls()
+
+
+class WithSplit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+        self.split = Split()
+        self.head = nn.Conv2d(3, 3, 1)
+
+    def forward(self, x):
+        a, b = self.split(self.conv(x))
+        return self.head(a) + b
+
+
+def test_any_custom_module_with_a_tuple_output():
+    torch.manual_seed(0)
+    model, x = WithSplit().eval(), torch.randn(2, 3, 4, 4)
+    prepare = PrepareCustomConfig().set_float_to_observed_mapping(Split, ObservedSplit)
+    convert = ConvertCustomConfig().set_observed_to_quantized_mapping(ObservedSplit, QuantizedSplit)
+    mapping = get_default_qconfig_mapping("fbgemm")
+    prepared = qcore.prepare_fx(model, mapping, (x,), prepare_custom_config=prepare)
+    prepared(x)
+    converted = qcore.convert_fx(prepared, convert_custom_config=convert)
+    assert isinstance(converted.split, QuantizedSplit)
+    # the head takes relu's int8 output as is: no quantize between split and head
+    quantizes = [n for n in converted.graph.nodes if n.target is torch.quantize_per_tensor]
+    assert len(quantizes) == 1  # the model's input
+    torch.testing.assert_close(converted(x), model(x), rtol=0, atol=0.1)
+
+
+class DictOut(nn.Module):
+    def forward(self, x):
+        return {"y": x + 1}
+
+
+class ObservedDictOut(DictOut):
+    @classmethod
+    def from_float(cls, float_module):
+        return cls()
+
+
+def test_a_custom_module_returning_a_dict_is_refused_by_name():
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = DictOut()
+
+        def forward(self, x):
+            return self.inner(x)["y"]
+
+    prepare = PrepareCustomConfig().set_float_to_observed_mapping(DictOut, ObservedDictOut)
+    with pytest.raises(qcore.engine.custom_config.UnsupportedSetting, match="'inner'.*dict"):
+        qcore.prepare_fx(
+            Model().eval(),
+            get_default_qconfig_mapping("fbgemm"),
+            (torch.randn(2, 3),),
+            prepare_custom_config=prepare,
+        )

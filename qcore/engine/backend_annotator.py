@@ -20,6 +20,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from qcore.config import BackendConfig, BackendPatternConfig, DTypeConfig, ObservationType
 from qcore.config.compat import find_accepting_dtype_config
 from qcore.config.pattern import format_pattern
+from qcore.engine.custom_config import UnsupportedSetting
 from qcore.engine.explain import Entry, Status, op_name
 from qcore.engine.match import Match, find_matches, node_op
 from qcore.engine.qconfigs import pattern_qconfig
@@ -265,6 +266,12 @@ def _annotate_custom_call(
     annotations: dict[Node, QuantizationAnnotation],
     cache: dict[int, QuantizationSpec],
 ) -> None:
+    if _holds_dict(node.meta.get("tensor_meta")):
+        raise UnsupportedSetting(
+            f"custom module {node.target!r}: its output holds a dict; qcore swaps custom "
+            "module classes whose forward returns a tensor or a (nested) tuple or list of "
+            "them: leave it float with non_traceable_module_class instead"
+        )
     spec = spec_from_ctr(qconfig.activation, cache)
     annotation = annotations.setdefault(node, QuantizationAnnotation(_annotated=True))
     for _, arg in _flat_node_args(node):
@@ -275,6 +282,13 @@ def _annotate_custom_call(
     meta = node.meta.get("tensor_meta")
     if isinstance(meta, TensorMetadata) or (meta is None and node in tensor_nodes):
         annotation.output_qspec = spec
+
+
+def _holds_dict(meta: Any) -> bool:
+    if isinstance(meta, dict):
+        return True
+    is_container = isinstance(meta, (tuple, list)) and not isinstance(meta, TensorMetadata)
+    return is_container and any(_holds_dict(item) for item in meta)
 
 
 def _match_qconfig(match: Match, qconfigs: Mapping[Node, Any]) -> tuple[Any, str | None]:

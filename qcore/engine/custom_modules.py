@@ -189,6 +189,9 @@ def quantize_inputs_for(
         if type(converted.get_submodule(node.target)) not in classes:
             continue
         for arg in node.all_input_nodes:
+            if _is_kernel_dequantize(arg):  # a lowered producer's int8 output, as it is
+                node.replace_input_with(arg, arg.args[0])
+                continue
             if not _is_reference_dequantize(arg):
                 continue
             _, scale, zero_point, _, _, dtype = arg.args
@@ -372,6 +375,14 @@ def _quantize_consumers_to(leaf: Node, qparams: LeafQParams) -> None:
                 ops.dequantize_per_tensor,
             ):
                 pair.args = (pair.args[0], scale, zero_point, *pair.args[3:])
+
+
+def _is_kernel_dequantize(node: Node) -> bool:
+    """``y.dequantize()`` after a kernel (not a float16 ``to``'s float32 copy)."""
+    if node.op != "call_method" or node.target != "dequantize":
+        return False
+    source = node.args[0]
+    return isinstance(source, Node) and not (source.op == "call_method" and source.target == "to")
 
 
 def _is_reference_dequantize(node: Node) -> bool:
