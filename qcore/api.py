@@ -37,12 +37,8 @@ from qcore.engine.custom_config import (
     as_custom_config,
     copy_preserved,
 )
-from qcore.engine.custom_modules import (
-    custom_kernels,
-    quantize_inputs_for,
-    swap_quantized,
-    tuple_output_qparams,
-)
+from qcore.engine.custom_modules import custom_kernels, quantize_inputs_for, swap_quantized
+from qcore.engine.custom_tuples import tuple_output_qparams
 from qcore.engine.decomposed import to_decomposed
 from qcore.engine.explain import Report, report_of
 from qcore.engine.fuse import fuse_graph
