@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -32,18 +33,19 @@ from qcore.engine.boundaries import quantize_boundaries
 from qcore.engine.collector import collector_paused
 from qcore.engine.constants import observe_constants
 from qcore.engine.convert import convert_to_reference, state_of
+from qcore.engine.convert_mapping import with_convert_mapping
 from qcore.engine.custom_config import (
-    UnsupportedSetting,
     as_custom_config,
     copy_preserved,
 )
 from qcore.engine.custom_modules import custom_kernels, quantize_inputs_for, swap_quantized
+from qcore.engine.custom_tuples import tuple_output_qparams
 from qcore.engine.decomposed import to_decomposed
 from qcore.engine.explain import Report, report_of
 from qcore.engine.fuse import fuse_graph
 from qcore.engine.lower import lower
 from qcore.engine.prepare import prepare
-from qcore.engine.qconfigs import qconfig_mappings_equal
+from qcore.engine.standalone import convert_standalone_modules, input_qparams
 from qcore.engine.trace import trace
 from qcore.plugin import NATIVE, BackendLoadError, UnknownBackendError, get_backend, list_backends
 
@@ -206,6 +208,17 @@ def _prepare(
         is_qat=is_qat,
         custom_config=custom_config,
         make_fixed=_make_fixed,
+        prepare_standalone=lambda module, settings, qconfig: _prepare(
+            module,
+            # torch.ao's defaults: the call's QConfig in the parent, the parent's backend
+            settings.qconfig_mapping or {"": qconfig},
+            settings.example_inputs,
+            settings.backend_config or name,
+            settings.prepare_custom_config,
+            None,
+            is_qat,
+            inputs_optional=True,
+        ),
     )
     copy_preserved(model, prepared, custom_config.preserved_attributes)
     return prepared
@@ -265,22 +278,6 @@ def _check_same_backend(prepared: GraphModule, backend_config: Any) -> None:
         )
 
 
-def _check_convert_mapping(qconfig_mapping: Any, prepared_with: Any) -> None:
-    """torch.ao's convert takes the prepare mapping again (a no-op) or one that sets
-    some QConfigs to None; qcore takes the first and refuses the second by name."""
-    if qconfig_mapping is None:
-        return
-    same = prepared_with is not None and qconfig_mappings_equal(
-        as_qconfig_mapping(qconfig_mapping), as_qconfig_mapping(prepared_with)
-    )
-    if not same:
-        raise UnsupportedSetting(
-            f"qconfig_mapping: got {describe(qconfig_mapping)}; changing QConfigs at convert is "
-            "not supported: pass the mapping you want to prepare_fx (convert takes that "
-            "same mapping again, or none)"
-        )
-
-
 @collector_paused()
 def _convert(
     prepared: GraphModule,
@@ -295,17 +292,35 @@ def _convert(
     swapped, lowered to the backend's kernels when ``to_kernels``."""
     _check_same_backend(prepared, backend_config)
     settings = as_custom_config(convert_custom_config, "convert_custom_config")
+    state_of(prepared)
+    prepared = with_convert_mapping(prepared, qconfig_mapping)
     state = state_of(prepared)
-    _check_convert_mapping(qconfig_mapping, state.qconfig_mapping)
     observe_constants(prepared)
-    converted = convert_to_reference(prepared)
+    converted = convert_to_reference(prepared, for_lowering=to_kernels)
     custom = swap_quantized(prepared, converted, state.custom_calls, settings)
+    leaves = tuple_output_qparams(converted, custom)
+    standalone_qparams = input_qparams(converted, state.standalone_calls)
     lowered: set[str] = set()
     if to_kernels:
         kernels = state.kernels + custom_kernels(custom, state.backend_name)
         converted = lower(converted, kernels, state.backend_name)
         lowered = {entry.node for entry in explain(converted).quantized}
-    quantize_inputs_for(converted, custom, skip=lowered)
+    quantize_inputs_for(converted, custom, skip=lowered, leaves=leaves)
+    convert_standalone_modules(
+        prepared,
+        converted,
+        state.standalone_calls,
+        standalone_qparams,
+        # its own state; the parent's custom module classes, not its preserved attributes
+        lambda standalone: _convert(
+            standalone,
+            dataclasses.replace(settings, preserved_attributes=()),
+            remove_qconfig,
+            None,
+            None,
+            to_kernels=to_kernels,
+        ),
+    )
     quantize_boundaries(converted, state.quantized_inputs, state.quantized_outputs)
     if remove_qconfig:  # torch.ao's _remove_qconfig: the converted model carries none
         for module in converted.modules():

@@ -259,13 +259,6 @@ def test_an_output_index_beyond_the_outputs_is_an_error_naming_it():
 # -- refused, by name ------------------------------------------------------------------------
 
 
-def test_standalone_modules_are_refused_by_name():
-    model, x = TwoLinears().eval(), torch.randn(8, 4)
-    config = {"standalone_module_name": [("second", None, (x,), None, None)]}
-    with pytest.raises(UnsupportedSetting, match="standalone_module_names"):
-        qcore.prepare_fx(model, default_qconfig_mapping(), (x,), "fbgemm", config)
-
-
 def test_unknown_custom_config_key_is_refused():
     model, x = TwoLinears().eval(), torch.randn(8, 4)
     with pytest.raises(UnsupportedSetting, match="'non_traceable_module'"):
@@ -274,11 +267,40 @@ def test_unknown_custom_config_key_is_refused():
         )
 
 
-def test_changing_qconfigs_at_convert_is_refused():
+def test_a_qconfig_set_to_none_at_convert_leaves_that_op_float():
+    """torch.ao's convert takes the prepare mapping with some QConfigs set to None:
+    those ops stay float, as if the prepare mapping had said so."""
     model, x = TwoLinears().eval(), torch.randn(8, 4)
     prepared = _calibrated(qcore.prepare_fx(model, default_qconfig_mapping(), (x,), "fbgemm"), x)
     changed = copy.deepcopy(default_qconfig_mapping()).set_module_name("second", None)
-    with pytest.raises(UnsupportedSetting, match="(?s)qconfig_mapping: .*changing QConfigs"):
+    converted = qcore.convert_fx(prepared, qconfig_mapping=changed)
+    statuses = {e.node: e.status.value for e in qcore.explain(converted).entries}
+    assert statuses["first"] == "quantized" and statuses["second"] == "float"
+    assert type(converted.second) is nn.Linear
+    at_prepare = qcore.prepare_fx(model, changed, (x,), "fbgemm")
+    expected = qcore.convert_fx(_calibrated(at_prepare, x))(x)
+    assert torch.equal(converted(x), expected)
+    assert torch.equal(qcore.convert_fx(prepared)(x), qcore.convert_fx(prepared)(x))
+    assert not torch.equal(qcore.convert_fx(prepared)(x), expected)  # prepared is left as is
+
+
+def test_a_qat_module_set_to_none_at_convert_returns_to_float():
+    model, x = TwoLinears().train(), torch.randn(8, 4)
+    mapping = torch.ao.quantization.get_default_qat_qconfig_mapping("fbgemm")
+    prepared = _calibrated(qcore.prepare_qat_fx(model, mapping, (x,), "fbgemm"), x)
+    assert isinstance(prepared.second, torch.ao.nn.qat.Linear)
+    changed = copy.deepcopy(mapping).set_object_type(nn.Linear, None)
+    converted = qcore.convert_fx(prepared, qconfig_mapping=changed)
+    assert type(converted.first) is nn.Linear and type(converted.second) is nn.Linear
+    assert qcore.explain(converted).quantized == []
+    torch.testing.assert_close(converted.eval()(x), model.eval()(x))
+
+
+def test_another_qconfig_at_convert_is_refused_naming_the_op():
+    model, x = TwoLinears().eval(), torch.randn(8, 4)
+    prepared = _calibrated(qcore.prepare_fx(model, default_qconfig_mapping(), (x,), "fbgemm"), x)
+    changed = copy.deepcopy(default_qconfig_mapping()).set_module_name("second", default_qconfig)
+    with pytest.raises(UnsupportedSetting, match="changing QConfigs.*'second'"):
         qcore.convert_fx(prepared, qconfig_mapping=changed)
 
 

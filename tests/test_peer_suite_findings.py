@@ -299,3 +299,40 @@ def test_float16_values_stay_float16_through_ops_that_select_them():
     assert torch.equal(lowered(x), reference(x))
     assert torch.equal(lowered(x), _fp16(model(_fp16(x))))
     assert lowered.graph.find_nodes(op="call_module", target="pool")[0].args[0].target == "reshape"
+
+
+class FunctionalLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.randn(8, 30)
+        self.b = torch.randn(8)
+
+    def forward(self, x):
+        return F.linear(x, self.w, self.b)
+
+
+@pytest.mark.parametrize(
+    "qconfig",
+    [default_qconfig, torch.ao.quantization.float16_dynamic_qconfig],
+    ids=["int8", "dynamic-float16"],
+)
+def test_reference_form_keeps_a_functional_linear_as_torch_ao_does(qconfig):
+    """convert_to_reference_fx wrapped F.linear on constant weights in a
+    ReferenceModule (the form lowering takes); torch.ao's reference form, and what
+    a user of it matches on, is F.linear on the dequantized weight. The numbers
+    equal torch.ao's reference form."""
+    from torch.ao.quantization import quantize_fx
+
+    model, x = FunctionalLinear().eval(), torch.rand(4, 30)
+    prepared = qcore.prepare_fx(model, {"": qconfig}, (x,), "fbgemm")
+    prepared(x)
+    reference = qcore.convert_to_reference_fx(prepared)
+    assert _calls(reference, "call_function", F.linear) == 1
+    assert not any(type(m).__name__ == "ReferenceModule" for m in reference.modules())
+    ao_prepared = quantize_fx.prepare_fx(model, {"": qconfig}, (x,))
+    ao_prepared(x)
+    ao = quantize_fx.convert_to_reference_fx(ao_prepared)
+    assert torch.equal(reference(x), ao(x))
+    lowered = qcore.convert_fx(prepared)  # lowering still takes it as a linear
+    assert qcore.explain(lowered).quantized[0].kernel.startswith("fbgemm.linear")

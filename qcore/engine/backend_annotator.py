@@ -34,7 +34,12 @@ from qcore.quantizer.spec import (
     SharedQuantizationSpec,
 )
 
-__all__ = ["Decision", "annotate_with_backend_config"]
+__all__ = [
+    "Decision",
+    "annotate_with_backend_config",
+    "returns_container",
+    "reuse_observed_inputs",
+]
 
 _QUANTIZED_DTYPES = {
     torch.quint8,
@@ -164,6 +169,12 @@ def annotate_with_backend_config(
         match = matches.get(node)
         if match is not None and match.output not in tensor_nodes:
             match = None  # list arithmetic (``[1] * n``), a bool mask: nothing to quantize
+        if returns_container(node):
+            # an op on a whole tuple (nn.Identity on LSTM's (out, (h, c))): observers take
+            # one tensor, so it runs in float on what it is given
+            reason = "passes a tuple or list of tensors along, not one tensor"
+            entries[node.name] = Entry(node.name, op, Status.NOT_AN_OP, reason)
+            continue
         if match is None and node not in tensor_nodes:
             reason = "computes no floating-point tensor (a shape, a size, a mask)"
             entries[node.name] = Entry(node.name, op, Status.NOT_AN_OP, reason)
@@ -202,8 +213,14 @@ def annotate_with_backend_config(
         decisions.append(Decision(match, qconfig, dtype_config))
         indexes = match.config._input_type_to_index or op_indexes.get(match.root.target, {})
         _annotate(match, qconfig, dtype_config, tensor_nodes, annotations, spec_cache, indexes)
-    _reuse_observed_inputs(annotations)
+    reuse_observed_inputs(annotations)
     return annotations, decisions, entries
+
+
+def returns_container(node: Node) -> bool:
+    """A tuple, list or dict of values (TensorMetadata is a NamedTuple: one tensor)."""
+    meta = node.meta.get("tensor_meta")
+    return isinstance(meta, (tuple, list, dict)) and not isinstance(meta, TensorMetadata)
 
 
 def _resolved(point: Any, annotations: dict[Node, QuantizationAnnotation]) -> Any:
@@ -223,7 +240,7 @@ def _resolved(point: Any, annotations: dict[Node, QuantizationAnnotation]) -> An
     return None
 
 
-def _reuse_observed_inputs(annotations: dict[Node, QuantizationAnnotation]) -> None:
+def reuse_observed_inputs(annotations: dict[Node, QuantizationAnnotation]) -> None:
     """torch.ao FX observes an input only when its producer's output is not already
     quantized to the same dtype: the consumer then reads the producer's observer.
 
@@ -249,19 +266,29 @@ def _annotate_custom_call(
     annotations: dict[Node, QuantizationAnnotation],
     cache: dict[int, QuantizationSpec],
 ) -> None:
-    if not isinstance(node.meta.get("tensor_meta"), TensorMetadata):
+    if _holds_dict(node.meta.get("tensor_meta")):
         raise UnsupportedSetting(
-            f"custom module {node.target!r}: its output is not one tensor; qcore swaps custom "
-            "module classes whose forward returns a single tensor (torch.ao's LSTM special "
-            "case is not supported): leave it float with non_traceable_module_class instead"
+            f"custom module {node.target!r}: its output holds a dict; qcore swaps custom "
+            "module classes whose forward returns a tensor or a (nested) tuple or list of "
+            "them: leave it float with non_traceable_module_class instead"
         )
     spec = spec_from_ctr(qconfig.activation, cache)
     annotation = annotations.setdefault(node, QuantizationAnnotation(_annotated=True))
     for _, arg in _flat_node_args(node):
         if arg in tensor_nodes:
             annotation.input_qspec_map[arg] = spec
-    if node in tensor_nodes:
+    # A tuple output (torch.ao's LSTM: (out, (h, c))) is not observed here: the
+    # quantized module gives each element its own qparams (convert reads them).
+    meta = node.meta.get("tensor_meta")
+    if isinstance(meta, TensorMetadata) or (meta is None and node in tensor_nodes):
         annotation.output_qspec = spec
+
+
+def _holds_dict(meta: Any) -> bool:
+    if isinstance(meta, dict):
+        return True
+    is_container = isinstance(meta, (tuple, list)) and not isinstance(meta, TensorMetadata)
+    return is_container and any(_holds_dict(item) for item in meta)
 
 
 def _match_qconfig(match: Match, qconfigs: Mapping[Node, Any]) -> tuple[Any, str | None]:

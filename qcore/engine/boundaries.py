@@ -25,7 +25,7 @@ from qcore import ops
 from qcore.engine.custom_config import UnsupportedSetting
 from qcore.kernels.runtime import quiet_quantized_tensors
 
-__all__ = ["output_values", "quantize_boundaries"]
+__all__ = ["as_quantized", "output_values", "quantize_boundaries", "skip_requantize"]
 
 
 def _dequantize_inputs(gm: GraphModule, indexes: tuple[int, ...]) -> None:
@@ -48,8 +48,9 @@ def _is_call(node: Any, function: Any) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target is function
 
 
-def _as_quantized(gm: GraphModule, node: Any, index: int) -> Node:
-    """The torch quantized tensor behind the output value ``node``."""
+def as_quantized(gm: GraphModule, node: Any, what: str) -> Node:
+    """The torch quantized tensor behind the float value ``node`` (``what`` names it
+    in the error when it is not quantized)."""
     if isinstance(node, Node) and node.op == "call_method" and node.target == "dequantize":
         return node.args[0]  # a kernel's int8 output, dequantized for a float user
     if _is_call(node, ops.dequantize_per_tensor):  # reference form: plain integers
@@ -60,9 +61,8 @@ def _as_quantized(gm: GraphModule, node: Any, index: int) -> Node:
                 torch._make_per_tensor_quantized_tensor, (quantized, scale, zero_point)
             )
     raise UnsupportedSetting(
-        f"prepare_custom_config.output_quantized_indexes: output {index} is not quantized "
-        f"per tensor (it comes from {getattr(node, 'name', node)!r}); qcore.explain(model) says "
-        "why, or drop the index to return it in float"
+        f"{what} is not quantized per tensor (it comes from {getattr(node, 'name', node)!r}); "
+        "qcore.explain(model) says why, or drop the index to pass it in float"
     )
 
 
@@ -85,7 +85,8 @@ def _quantize_outputs(gm: GraphModule, indexes: tuple[int, ...]) -> None:
                 f"prepare_custom_config.output_quantized_indexes: got {index}; the model "
                 f"returns {len(values)} output(s)"
             )
-        values[index] = _as_quantized(gm, values[index], index)
+        where = f"prepare_custom_config.output_quantized_indexes: output {index}"
+        values[index] = as_quantized(gm, values[index], where)
     if isinstance(value, dict):
         new_value: Any = dict(zip(value, values, strict=True))
     elif isinstance(value, (tuple, list)):
@@ -107,3 +108,38 @@ def quantize_boundaries(
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
+
+
+def skip_requantize(
+    gm: GraphModule, quantized: Node, scale: float, zero_point: int, dtype: torch.dtype
+) -> None:
+    """``quantize_per_tensor(x.dequantize(), scale, zero_point, dtype)`` where ``x``
+    (``quantized``) already has exactly those qparams is ``x``: the kernel after it
+    takes the int8 tensor as is (torch.ao's rule for a producer's int8 output)."""
+    for dequantize in list(quantized.users):
+        if dequantize.op != "call_method" or dequantize.target != "dequantize":
+            continue
+        for user in list(dequantize.users):
+            if not _is_call(user, torch.quantize_per_tensor):
+                continue
+            _, user_scale, user_zero_point, user_dtype = user.args
+            same = (
+                _constant(gm, user_scale) == float(scale)
+                and _constant(gm, user_zero_point) == int(zero_point)
+                and user_dtype == dtype
+            )
+            if same:
+                user.replace_all_uses_with(quantized)
+                gm.graph.erase_node(user)
+
+
+def _constant(gm: GraphModule, arg: Any) -> float | None:
+    """A scalar argument's value, read from its buffer when it is a ``get_attr``."""
+    if isinstance(arg, Node):
+        if arg.op != "get_attr":
+            return None
+        owner_name, _, name = arg.target.rpartition(".")
+        arg = getattr(gm.get_submodule(owner_name) if owner_name else gm, name)
+    if isinstance(arg, torch.Tensor):
+        return float(arg.reshape(-1)[0]) if arg.numel() == 1 else None
+    return float(arg)

@@ -228,15 +228,23 @@ def _release_observers(
             delattr(parent, attr)
 
 
-def convert_to_reference(prepared: GraphModule, *, full_range: bool = True) -> GraphModule:
-    """A converted copy of ``prepared`` in reference form; ``prepared`` is left as is."""
+def convert_to_reference(
+    prepared: GraphModule, *, full_range: bool = True, for_lowering: bool = True
+) -> GraphModule:
+    """A converted copy of ``prepared`` in reference form; ``prepared`` is left as is.
+
+    ``for_lowering=False`` (``convert_to_reference_fx``) keeps a functional linear
+    as torch.ao's reference form does, ``F.linear`` on its dequantized weight; for
+    lowering it becomes a ReferenceModule, the form the linear kernels take.
+    """
     state = state_of(prepared)
     # NaN statistics are an error naming the node; skipped NaN/inf one warning
     check_observers(("", prepared, state.observer_names))
     gm = _copy_without_observers(prepared, state.observer_names)
     gm.eval()
     _swap_reference_modules(gm, state)
-    _functional_linears_to_modules(gm, state)
+    if for_lowering:
+        _functional_linears_to_modules(gm, state)
     modules = dict(gm.named_modules(remove_duplicate=False))
     observer_names = set(state.observer_names)
     for node in list(gm.graph.nodes):

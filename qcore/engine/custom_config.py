@@ -17,11 +17,31 @@ import torch
 
 from qcore.config.errors import describe
 
-__all__ = ["CustomConfig", "UnsupportedSetting", "as_custom_config", "copy_preserved"]
+__all__ = [
+    "CustomConfig",
+    "Standalone",
+    "UnsupportedSetting",
+    "as_custom_config",
+    "copy_preserved",
+]
 
 
 class UnsupportedSetting(ValueError):
     """A custom-config setting qcore does not honour (it is refused, never dropped)."""
+
+
+@dataclass(frozen=True)
+class Standalone:
+    """A standalone module's own settings (torch.ao's StandaloneModuleConfigEntry).
+
+    It is prepared and converted as a model of its own; ``None`` takes the
+    parent's (its QConfig there, its example inputs, no custom config, its backend).
+    """
+
+    qconfig_mapping: Any = None
+    example_inputs: Any = None
+    prepare_custom_config: Any = None
+    backend_config: Any = None
 
 
 @dataclass(frozen=True)
@@ -32,6 +52,8 @@ class CustomConfig:
     at prepare (``Observed.from_float``) and at convert (``Quantized.from_observed``).
     ``input_quantized_indexes``/``output_quantized_indexes``: graph inputs that
     arrive, and outputs that leave, as torch quantized tensors.
+    ``standalone_names``/``standalone_classes``: submodules prepared and converted
+    as models of their own (see ``qcore.engine.standalone``).
     """
 
     non_traceable_module_names: tuple[str, ...] = ()
@@ -41,11 +63,28 @@ class CustomConfig:
     observed_to_quantized: dict[type, type] = field(default_factory=dict)
     input_quantized_indexes: tuple[int, ...] = ()
     output_quantized_indexes: tuple[int, ...] = ()
+    standalone_names: dict[str, Standalone] = field(default_factory=dict)
+    standalone_classes: dict[type, Standalone] = field(default_factory=dict)
+
+    @property
+    def leaf_names(self) -> tuple[str, ...]:
+        """Module names traced as leaves: the non-traceable and standalone ones."""
+        return self.non_traceable_module_names + tuple(self.standalone_names)
 
     @property
     def leaf_classes(self) -> tuple[type, ...]:
-        """Classes traced as leaves: the non-traceable ones and the custom modules."""
-        return self.non_traceable_module_classes + tuple(self.float_to_observed)
+        """Classes traced as leaves: the non-traceable, custom and standalone ones."""
+        return (
+            self.non_traceable_module_classes
+            + tuple(self.float_to_observed)
+            + tuple(self.standalone_classes)
+        )
+
+    def standalone_for(self, name: str, module: torch.nn.Module) -> Standalone | None:
+        """The standalone settings of the submodule ``name``, by name first (torch.ao's order)."""
+        if name in self.standalone_names:
+            return self.standalone_names[name]
+        return self.standalone_classes.get(type(module))
 
 
 # torch.ao's legacy dict keys -> the PrepareCustomConfig attribute they fill.
@@ -139,13 +178,6 @@ def as_custom_config(config: Any, where: str = "prepare_custom_config") -> Custo
             f"{where}: got {describe(config)}; expected None, a torch.ao PrepareCustomConfig/"
             "ConvertCustomConfig/FuseCustomConfig or its dict form"
         )
-    for key in ("standalone_module_names", "standalone_module_classes"):
-        if settings.get(key):
-            raise UnsupportedSetting(
-                f"{where}.{key}: got {describe(settings[key])}; standalone modules are not "
-                "supported: quantize the submodule with its own prepare_fx/convert_fx call and "
-                "mark it non_traceable_module_names in the parent"
-            )
     classes = tuple(settings.get("non_traceable_module_classes") or ())
     for cls in classes:
         if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
@@ -174,7 +206,51 @@ def as_custom_config(config: Any, where: str = "prepare_custom_config") -> Custo
         output_quantized_indexes=_indexes(
             settings.get("output_quantized_indexes"), f"{where}.output_quantized_indexes"
         ),
+        standalone_names=_standalone(
+            settings.get("standalone_module_names"), f"{where}.standalone_module_names", str
+        ),
+        standalone_classes=_standalone(
+            settings.get("standalone_module_classes"), f"{where}.standalone_module_classes", type
+        ),
     )
+
+
+def _standalone(value: Any, where: str, key_type: type) -> dict:
+    """torch.ao's ``{key: StandaloneModuleConfigEntry}`` or its legacy list of
+    ``(key, qconfig_mapping, example_inputs, prepare_custom_config, backend_config)``."""
+    if not value:
+        return {}
+    if isinstance(value, dict):
+        entries = {
+            key: Standalone(
+                entry.qconfig_mapping,
+                entry.example_inputs,
+                entry.prepare_custom_config,
+                entry.backend_config,
+            )
+            for key, entry in value.items()
+        }
+    elif isinstance(value, (list, tuple)):
+        entries = {}
+        for item in value:
+            if not isinstance(item, (list, tuple)) or not 1 <= len(item) <= 5:
+                raise TypeError(
+                    f"{where}: got {describe(item)}; expected (key, qconfig_mapping, "
+                    "example_inputs, prepare_custom_config, backend_config)"
+                )
+            entries[item[0]] = Standalone(*item[1:])
+    else:
+        raise TypeError(f"{where}: got {describe(value)}; expected a dict or a list of tuples")
+    for key in entries:
+        valid = isinstance(key, str) if key_type is str else _is_module_class(key)
+        if not valid:
+            expected = "module names (str)" if key_type is str else "torch.nn.Module subclasses"
+            raise TypeError(f"{where}: got {describe(key)}; expected {expected}")
+    return entries
+
+
+def _is_module_class(value: Any) -> bool:
+    return isinstance(value, type) and issubclass(value, torch.nn.Module)
 
 
 # torch.fx's own key: GraphModule.__deepcopy__ sets the attributes it holds again.

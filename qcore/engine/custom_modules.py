@@ -9,6 +9,10 @@ observer attached as ``activation_post_process``, as torch.ao does) and runs on
 torch quantized tensors: lowered, it reads its producer's int8 output directly;
 in reference form it is given ``torch.quantize_per_tensor`` of its input.
 
+A custom module whose forward returns a tuple (torch.ao's static LSTM) is
+observed at its inputs only; ``qcore.engine.custom_tuples`` gives its users
+their elements.
+
 Leaf modules of a dynamic mapping (torch.ao's ``"dynamic"`` key: a non-traceable
 float module with a dynamic QConfig) are swapped at convert the same way; they
 take and return float tensors.
@@ -24,7 +28,9 @@ import torch
 from torch.fx import GraphModule, Node
 
 from qcore.config.errors import describe
+from qcore.engine.backend_annotator import returns_container
 from qcore.engine.custom_config import CustomConfig, UnsupportedSetting
+from qcore.engine.custom_tuples import LeafQParams, dequantize_elements, is_reference_dequantize
 from qcore.engine.observe import OBSERVER_PREFIX
 from qcore.plugin.kernels import Kernel, KernelMatch, SameOp
 
@@ -158,11 +164,18 @@ def custom_kernels(classes: list[type], engine: str) -> tuple[Kernel, ...]:
     )
 
 
-def quantize_inputs_for(converted: GraphModule, classes: list[type], skip: set[str]) -> None:
+def quantize_inputs_for(
+    converted: GraphModule,
+    classes: list[type],
+    skip: set[str],
+    leaves: dict[str, dict[tuple, LeafQParams]] | None = None,
+) -> None:
     """Reference form: quantized custom modules (but the ``skip``ped, lowered ones) get
-    torch quantized tensors, and give back float through ``dequantize``."""
+    torch quantized tensors, and give back float through ``dequantize`` (each element
+    of a tuple output, see :func:`tuple_output_qparams` for ``leaves``)."""
     if not classes:
         return
+    leaves = leaves or {}
     graph = converted.graph
     for node in list(graph.nodes):
         if node.op != "call_module" or node.name in skip:
@@ -170,7 +183,10 @@ def quantize_inputs_for(converted: GraphModule, classes: list[type], skip: set[s
         if type(converted.get_submodule(node.target)) not in classes:
             continue
         for arg in node.all_input_nodes:
-            if not _is_reference_dequantize(arg):
+            if _is_kernel_dequantize(arg):  # a lowered producer's int8 output, as it is
+                node.replace_input_with(arg, arg.args[0])
+                continue
+            if not is_reference_dequantize(arg):
                 continue
             _, scale, zero_point, _, _, dtype = arg.args
             with graph.inserting_before(node):
@@ -178,15 +194,22 @@ def quantize_inputs_for(converted: GraphModule, classes: list[type], skip: set[s
                     torch.quantize_per_tensor, (arg, scale, zero_point, dtype)
                 )
             node.replace_input_with(arg, quantized)
+        if returns_container(node):
+            meta = node.meta["tensor_meta"]
+            dequantize_elements(converted, node, meta, leaves.get(node.name, {}))
+            continue
         users = list(node.users)
         with graph.inserting_after(node):
             dequantized = graph.call_method("dequantize", (node,))
         for user in users:
             user.replace_input_with(node, dequantized)
+    graph.eliminate_dead_code()
     converted.recompile()
 
 
-def _is_reference_dequantize(node: Node) -> bool:
-    from qcore import ops
-
-    return node.op == "call_function" and node.target is ops.dequantize_per_tensor
+def _is_kernel_dequantize(node: Node) -> bool:
+    """``y.dequantize()`` after a kernel (not a float16 ``to``'s float32 copy)."""
+    if node.op != "call_method" or node.target != "dequantize":
+        return False
+    source = node.args[0]
+    return isinstance(source, Node) and not (source.op == "call_method" and source.target == "to")

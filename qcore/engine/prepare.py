@@ -29,6 +29,12 @@ from qcore.engine.fuse import fuse_graph
 from qcore.engine.infer import inferred_tensor_nodes
 from qcore.engine.observe import insert_observers, name_observers_per_call
 from qcore.engine.qconfigs import assign_qconfigs, pattern_qconfig
+from qcore.engine.standalone import (
+    PrepareOne,
+    StandaloneCall,
+    annotate_standalone_inputs,
+    swap_standalone,
+)
 from qcore.engine.trace import CustomConfig, trace
 from qcore.quantizer.spec import QuantizationAnnotation
 
@@ -79,6 +85,8 @@ class PreparedState:
     """Graph inputs and outputs that are torch quantized tensors once converted."""
     qconfig_mapping: Any = None
     """The mapping prepare assigned QConfigs from (convert accepts the same one again)."""
+    standalone_calls: tuple[StandaloneCall, ...] = ()
+    """Calls of standalone modules (prepared GraphModules of their own)."""
 
     def __deepcopy__(self, memo: dict) -> PreparedState:
         # The backend's config and kernels are the registry's (or the caller's) and
@@ -187,7 +195,10 @@ def prepare(
     is_qat: bool,
     custom_config: CustomConfig,
     make_fixed: Any,
+    prepare_standalone: PrepareOne | None = None,
 ) -> GraphModule:
+    """``prepare_standalone(module, settings, qconfig)`` prepares a standalone submodule
+    (needed when ``custom_config`` names any)."""
     with observer_facts_reused(), collector_paused():
         return _prepare(
             model,
@@ -199,6 +210,7 @@ def prepare(
             is_qat=is_qat,
             custom_config=custom_config,
             make_fixed=make_fixed,
+            prepare_standalone=prepare_standalone,
         )
 
 
@@ -213,6 +225,7 @@ def _prepare(
     is_qat: bool,
     custom_config: CustomConfig,
     make_fixed: Any,
+    prepare_standalone: PrepareOne | None,
 ) -> GraphModule:
     gm = trace(model, custom_config)
     if is_qat:
@@ -228,10 +241,18 @@ def _prepare(
     modules = dict(gm.named_modules(remove_duplicate=False))
     nodes = list(gm.graph.nodes)
     tensor_nodes = _tensor_nodes(gm, example_inputs)
+    # after the probe run, which must not reach the standalone modules' observers
+    standalone_calls = (
+        swap_standalone(gm, qconfigs, custom_config, prepare_standalone)
+        if prepare_standalone is not None
+        else {}
+    )
+    modules = dict(gm.named_modules(remove_duplicate=False))
     observed_calls = {node: call.qconfig for node, call in custom_calls.items() if call.static}
     annotations, decisions, entries = annotate_with_backend_config(
         nodes, modules, backend_config, qconfigs, tensor_nodes, notes, observed_calls
     )
+    annotate_standalone_inputs(standalone_calls, qconfigs, annotations, entries)
     _observe_quantized_outputs(gm, annotations, qconfigs, qconfig_mapping, custom_config)
     _attach_qconfigs(gm, qconfigs)
     if is_qat:
@@ -251,6 +272,7 @@ def _prepare(
         quantized_inputs=custom_config.input_quantized_indexes,
         quantized_outputs=custom_config.output_quantized_indexes,
         qconfig_mapping=qconfig_mapping,
+        standalone_calls=tuple(standalone_calls.values()),
     )
     gm.meta[STATE_KEY] = state
     report = Report(backend_name, [entries[n.name] for n in gm.graph.nodes])

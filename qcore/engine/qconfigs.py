@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -24,7 +24,6 @@ __all__ = [
     "node_scope",
     "pattern_qconfig",
     "qconfig_equals",
-    "qconfig_mappings_equal",
 ]
 
 
@@ -63,9 +62,14 @@ def _by_order(mapping: Any, path: str, object_type: Any, index: int, fallback: A
 
 
 def assign_qconfigs(
-    nodes: list[Node], modules: Mapping[str, torch.nn.Module], mapping: Any, root_type: type
+    nodes: list[Node],
+    modules: Mapping[str, torch.nn.Module],
+    mapping: Any,
+    root_type: type,
+    class_of: Callable[[torch.nn.Module], type] = type,
 ) -> dict[Node, Any]:
-    """node -> its QConfig (or None) for every call node."""
+    """node -> its QConfig (or None) for every call node; ``class_of`` gives the
+    class a module is looked up by (convert maps a QAT module to its float class)."""
     seen: dict[str, dict[Any, int]] = defaultdict(lambda: defaultdict(int))
     result: dict[Node, Any] = {}
     base = mapping.global_qconfig
@@ -82,7 +86,7 @@ def assign_qconfigs(
             qconfig = _by_type_or_name(mapping, node.target, path, base)
             result[node] = _by_type_or_name(mapping, module_type, path, qconfig)
         elif node.op == "call_module":
-            module_type = type(modules[node.target])
+            module_type = class_of(modules[node.target])
             qconfig = _by_type_or_name(mapping, module_type, node.target, base)
             parent = _parent(node.target)
             index = seen[parent][module_type]
@@ -99,28 +103,6 @@ def _ctr_key(ctr: Any) -> Any:
     func = getattr(inner, "func", inner)
     keywords = getattr(inner, "keywords", {}) or {}
     return (func, tuple(sorted((k, repr(v)) for k, v in keywords.items())))
-
-
-_MAPPING_STYLES = (
-    "object_type_qconfigs",
-    "module_name_regex_qconfigs",
-    "module_name_qconfigs",
-    "module_name_object_type_order_qconfigs",
-)
-
-
-def qconfig_mappings_equal(a: Any, b: Any) -> bool:
-    """Whether two QConfigMappings (qcore's or torch.ao's) give every node the same
-    QConfig: the same entries in each style, each QConfig :func:`qconfig_equals`."""
-    if not qconfig_equals(a.global_qconfig, b.global_qconfig):
-        return False
-    for style in _MAPPING_STYLES:
-        left, right = getattr(a, style), getattr(b, style)
-        if list(left) != list(right):  # the regexes' order is their precedence
-            return False
-        if not all(qconfig_equals(left[key], right[key]) for key in left):
-            return False
-    return True
 
 
 def qconfig_equals(a: Any, b: Any) -> bool:

@@ -77,9 +77,7 @@ def trace(model: torch.nn.Module, custom_config: CustomConfig) -> GraphModule:
         raise TypeError(f"model: got {describe(model)}; expected a torch.nn.Module")
     model = copy.deepcopy(model)
     _without_float_functional_identities(model)
-    tracer = QuantizationTracer(
-        custom_config.non_traceable_module_names, custom_config.leaf_classes
-    )
+    tracer = QuantizationTracer(custom_config.leaf_names, custom_config.leaf_classes)
     try:
         graph = tracer.trace(model)
     except Exception as error:
