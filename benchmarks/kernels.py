@@ -85,6 +85,22 @@ def qcore_quantize(entry, backend: str):
         return qcore.convert_fx(prepared)
 
 
+def qcore_keep_float_if_slower(entry, backend: str, inputs: tuple):
+    """qcore as it recommends running a model whose int8 form measured slower than
+    float: ``quantize(keep_float_if_slower=True)``, timed on the row's batch."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mapping = peer_mapping(backend, entry.dynamic)
+        return qcore.quantize(
+            entry.make_model(),
+            inputs,
+            entry.calibration_data(8),
+            backend,
+            mapping,
+            keep_float_if_slower=True,
+        )
+
+
 def measure(name: str, backend: str) -> dict:
     entry = ZOO[name]
     model = entry.make_model()
@@ -106,6 +122,19 @@ def measure(name: str, backend: str) -> dict:
             timings = latencies_ms(models, batch_of(entry, batch))
             for variant in ("float", "ao", "qcore", "qcore_again"):
                 row[f"{variant}_{batch}"] = timings.get(variant, float("nan"))
+            row[f"recommended_{batch}"] = row[f"qcore_{batch}"]
+            row[f"float_again_{batch}"] = row[f"float_{batch}"]
+            if row[f"qcore_{batch}"] > row[f"float_{batch}"]:
+                faster = qcore_keep_float_if_slower(entry, backend, batch_of(entry, batch))
+                pair = latencies_ms({"float": model, "faster": faster}, batch_of(entry, batch))
+                row[f"float_again_{batch}"] = pair["float"]
+                row[f"recommended_{batch}"] = pair["faster"]
+                kept = [
+                    e.node
+                    for e in qcore.explain(faster).float
+                    if e.reason.startswith("kept float (keep_float_if_slower")
+                ]
+                row[f"kept_{batch}"] = len(kept)
     row["size_float"], row["size_qcore"] = size_kb(model), size_kb(ours)
     row["size_ao"] = size_kb(baseline.model) if baseline.ok else float("nan")
     report = qcore.explain(ours)
@@ -133,15 +162,36 @@ def targets(rows: list[dict]) -> list[str]:
         for r, b in conv
         if r[f"float_{b}"] < 2 * r[f"qcore_{b}"]
     ]
+    slower_than_float = [
+        f"{r['backend']} {r['model']} b{b} ({recommended_speedup(r, b):.2f})"
+        for r, b in cells
+        if r["backend"] in ("x86", "fbgemm") and recommended_speedup(r, b) < 1 - noise(r, b)
+    ]
+    x86_fbgemm = [(r, b) for r, b in cells if r["backend"] in ("x86", "fbgemm")]
     return [
         "## Targets",
         "",
+        f"- x86 and fbgemm, int8 as qcore recommends (`rec`: its kernels, or "
+        "`keep_float_if_slower=True` where they measured slower than float) at least "
+        f"float's speed: {len(x86_fbgemm) - len(slower_than_float)} of {len(x86_fbgemm)} rows"
+        + (f"; below: {', '.join(slower_than_float)}" if slower_than_float else ""),
         f"- qcore at most torch.ao's latency: {len(cells) - len(slower)} of {len(cells)} rows"
         + (f"; slower: {', '.join(slower)}" if slower else ""),
         f"- int8 at least 2x faster than float on the conv nets: {len(conv) - len(below_2x)} "
         f"of {len(conv)} rows" + (f"; below: {', '.join(below_2x)}" if below_2x else ""),
         "",
     ]
+
+
+def recommended_speedup(row: dict, batch: int) -> float:
+    """float over qcore as recommended, the two timed in the same rounds."""
+    return row[f"float_again_{batch}"] / row[f"recommended_{batch}"]
+
+
+def recommended_cell(row: dict, batch: int) -> str:
+    if f"kept_{batch}" not in row:
+        return f"{recommended_speedup(row, batch):.2f}"
+    return f"{recommended_speedup(row, batch):.2f} ({row[f'kept_{batch}']})"
 
 
 def render(rows: list[dict], threads: int) -> str:
@@ -159,6 +209,10 @@ def render(rows: list[dict], threads: int) -> str:
         "Latency of one forward (ms) after warmup; `ao/q` is torch.ao's latency over "
         "qcore's (above 1: qcore is faster), `f/q` float's over qcore's (the int8 speed-up). "
         "SQNR (dB) against the float model on held-out data. Size: serialized state_dict (KiB). "
+        "`f/rec`: float's latency over qcore's as it recommends running the model: its "
+        "kernels, or where those measured slower than float, "
+        "`qcore.quantize(keep_float_if_slower=True)` (timed against float in the same "
+        "rounds; in brackets, the layers it kept float). "
         "`ops`: operators on qcore kernels / operators. `noise`: how far two timings of "
         "the same qcore model differ in that row (a ratio that close to 1 is a tie). "
         "Same engine and QConfigMapping for "
@@ -176,16 +230,17 @@ def render(rows: list[dict], threads: int) -> str:
         lines += [
             f"## {backend}",
             "",
-            "| model | batch | float | torch.ao | qcore | ao/q | f/q | noise | SQNR ao "
-            "| SQNR qcore | size float | size ao | size qcore | ops |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| model | batch | float | torch.ao | qcore | ao/q | f/q | f/rec (kept float) "
+            "| noise | SQNR ao | SQNR qcore | size float | size ao | size qcore | ops |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in selected:
             for batch in BATCHES:
                 f, a, q = r[f"float_{batch}"], r[f"ao_{batch}"], r[f"qcore_{batch}"]
                 lines.append(
                     f"| {r['model']} | {batch} | {f:.3f} | {a:.3f} | {q:.3f} | {a / q:.2f} "
-                    f"| {f / q:.2f} | {noise(r, batch):.0%} | {r['sqnr_ao']:.1f} "
+                    f"| {f / q:.2f} | {recommended_cell(r, batch)} "
+                    f"| {noise(r, batch):.0%} | {r['sqnr_ao']:.1f} "
                     f"| {r['sqnr_qcore']:.1f} "
                     f"| {r['size_float']:.0f} | {r['size_ao']:.0f} | {r['size_qcore']:.0f} "
                     f"| {r['ops']} |"
