@@ -70,6 +70,10 @@ def _passes_through(gm: GraphModule, node: Node, relu6_to_relu: bool) -> str | N
 
 def _next_layer(gm: GraphModule, node: Node, relu6_to_relu: bool) -> tuple[Node, list[Node]] | None:
     """The weighted op ``node``'s output reaches alone, and the ReLU6s on the way."""
+    if node.op == "call_module" and len(node.args) + len(node.kwargs) > 1:
+        # A fused conv + add (onednn's ConvAdd2d): its output is conv(x) + other, and
+        # scaling the conv's output channels would leave ``other`` unscaled.
+        return None
     relu6s: list[Node] = []
     current = node
     while True:
