@@ -122,10 +122,12 @@ def qcore_recommended_algorithms(backend):
     x86 quantizes weights per output channel, so each channel already has its own
     scale and equalization has little to even out; bias correction gains on plain
     conv and linear nets and loses on depthwise ones. Measured
-    (benchmarks/ALGORITHMS.md, PT2E, held-out data): correct_bias +0.5 to +0.9 dB
-    on the MLP, ResNet-style net and BERT, -0.8 and -1.3 dB on the two MobileNetV2s;
-    equalize within 0.1 dB of plain on every depthwise net. Ask for them by name
-    where your own model gains.
+    (benchmarks/ALGORITHMS.md, PT2E, held-out data): correct_bias +0.5, +0.6 and
+    +0.9 dB on the MLP, the ResNet-style net and BERT, -0.8 and -1.3 dB on the two
+    MobileNetV2s; equalize +0.9 dB on the ResNet-style net, -0.1 on the MLP, within
+    0.05 dB of plain elsewhere. On FX (7-bit activations) equalize + correct_bias
+    gains 0.1-0.7 dB on three of the four example models; the depthwise losses on
+    PT2E decide. Ask for them by name where your own model gains.
     """
     if backend != BACKEND:
         return None
