@@ -349,13 +349,15 @@ def _speedup_cell(result: DemoResult) -> str:
 
 
 def _budget_cell(result: DemoResult) -> str:
-    """How many nodes ``accuracy_budget`` kept float, and the SQNR it then reaches."""
+    """How many candidates ``accuracy_budget`` kept float (not counting the
+    activations that went float with them), and the SQNR it then reaches."""
     if result.kept_float is None:
         return ""
     if result.budget_note and result.budget_note != "not met":
         return result.budget_note
     met = " (not met)" if result.budget_note else ""
-    return f"{len(result.kept_float)} -> {result.budget_sqnr_db:.1f} dB{met}"
+    kept = sum("(with " not in reason for reason in result.kept_float.values())
+    return f"{kept} -> {result.budget_sqnr_db:.1f} dB{met}"
 
 
 def format_results(results: list[DemoResult]) -> str:
