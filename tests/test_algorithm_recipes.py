@@ -185,8 +185,9 @@ def test_the_users_model_is_not_changed():
             ["equalise"],
             ValueError,
             r"algorithms\[0\]: unknown algorithm 'equalise' \(did you "
-            r"mean 'equalize'\?\); expected one of 'correct_bias' \(after calibration\), "
-            r"'equalize' \(before calibration\), 'smooth_quant'",
+            r"mean 'equalize'\?\); expected one of 'adaround' \(after calibration\), "
+            r"'correct_bias' \(after calibration\), 'equalize' \(before calibration\), "
+            r"'smooth_quant' \(before calibration\)",
         ),
         (
             [("equalize", {"alpha": 0.5})],
