@@ -292,6 +292,8 @@ def run_stage(
             else:
                 prepared = algorithm.function(prepared, **step.options)
         except (TypeError, ValueError) as error:
+            if type(error) not in (TypeError, ValueError):
+                raise  # a subclass may take other arguments: left as the pass raised it
             raise type(error)(f"algorithms: {step.describe()}: {error}") from error
         changed = None if algorithm.changed is None else len(algorithm.changed(prepared))
         applied.append(AppliedAlgorithm(step, stage, changed))
