@@ -6,6 +6,7 @@ user reading a traceback from a config file knows which line to fix.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import reprlib
@@ -79,9 +80,14 @@ class QCoreWarning(UserWarning):
 
 def caller_stacklevel() -> int:
     """The ``stacklevel`` for ``warnings.warn`` that points at the first frame outside
-    qcore: the user's prepare_fx, convert_fx or quantize call, not qcore's internals."""
+    qcore: the user's prepare_fx, convert_fx or quantize call, not qcore's internals
+    (nor the contextlib frames of the context managers qcore wraps them in)."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+    while frame is not None and _is_internal(os.path.abspath(frame.f_code.co_filename), package):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _is_internal(filename: str, package: str) -> bool:
+    return filename.startswith(package) or filename == contextlib.__file__
