@@ -295,11 +295,17 @@ def keep_float_for_budget(
     """The model ``build`` gives with the fewest of ``candidates`` float that meets
     ``gauge``'s budget; explain gives each kept layer both measures.
 
+    Then, where that kept k > 2, a greedy search (each step the candidate that
+    helps most with those already kept) for at most k - 1 steps, so the answer
+    never keeps more than greedy's; its answer pruned the same way.
+
     Builds: 1 (all int8) + N (each candidate float alone) + at most N - 1 (the
-    ranked prefixes) + at most k(k+1)/2 (trying each of the k kept layers int8
-    again, once more after each one that could go): with N candidates, at most
-    2N + k(k+1)/2. Where no choice meets the budget it warns
-    (:class:`AccuracyBudgetNotMet`) and returns the best model measured.
+    ranked prefixes) + at most k(k+1)/2 (trying each of the k kept int8 again,
+    once more after each one that could go) + at most (k - 2)(N - 1) (greedy's
+    steps after the first, which is the ranking's) + its pruning: with N
+    candidates, at most 2N + 1 when one suffices, else at most kN + k². Where no
+    choice meets the budget it warns (:class:`AccuracyBudgetNotMet`) and returns
+    the best model measured.
     ``float_with`` names what ``build`` keeps float along with a candidate (its
     activation: :func:`qcore.keep_float.followers`); explain gives them its reason.
 
@@ -343,15 +349,30 @@ def keep_float_for_budget(
         return mark_kept_float(
             model, _with_followers(_not_met_reasons(best[0], values[best[0]], gauge), float_with)
         )
-    chosen = frozenset(kept)
-    removed = True
-    while removed:  # least sensitive first; again after each removal
-        removed = False
-        for name in reversed([n for n in ranked if n in chosen]):
-            trial = chosen - {name}
-            if gauge.meets(measure(trial)):
-                chosen, removed = trial, True
-        meeting = {s: m for s, m in meeting.items() if s <= chosen}
+
+    def pruned(chosen: frozenset[str]) -> frozenset[str]:
+        removed = True
+        while removed:  # least sensitive first; again after each removal
+            removed = False
+            for name in reversed([n for n in ranked if n in chosen]):
+                trial = chosen - {name}
+                if gauge.meets(measure(trial)):
+                    meeting.pop(chosen)  # never returned to: free its model
+                    chosen, removed = trial, True
+        return chosen
+
+    chosen = pruned(frozenset(kept))
+    # Ranking alone can pick layers that help alone but not together. A greedy search
+    # (each step keeps float the candidate that helps most with those already kept)
+    # runs while it could still need fewer: its first step is the ranking's builds.
+    greedy: frozenset[str] = frozenset()
+    for _ in range(len(chosen) - 1):
+        steps = [greedy | {name} for name in ranked if name not in greedy]
+        greedy = max(steps, key=lambda trial: gauge.key(measure(trial)))
+        if gauge.meets(values[greedy]):
+            meeting.pop(chosen)
+            chosen = pruned(greedy)
+            break
     reasons = {
         name: (
             f"kept float (accuracy budget): {gauge.show(values[chosen])} with it float, "

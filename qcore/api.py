@@ -447,8 +447,9 @@ def quantize(
     ``qcore.MetricBudget(metric, max_drop=0.01)`` with ``metric(model, eval_data)
     -> float`` as NNCF's ``validation_fn``. Candidates are ranked by how much
     keeping each alone float helps, kept float in that order until the budget is
-    met, then each tried int8 again: with N candidates, at most 2N + k(k+1)/2
-    conversions for k kept float (one when the budget is met as is).
+    met, then each tried int8 again; a greedy search checks the answer: with N
+    candidates and k kept float, at most kN + k² conversions (2N + 1 for k = 1,
+    one when the budget is met as is).
     ``qcore.explain`` gives each kept one the measure with it float and int8.
     Where nothing meets the budget, it warns (``qcore.AccuracyBudgetNotMet``) and
     returns the closest model, as NNCF does.

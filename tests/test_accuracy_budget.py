@@ -198,7 +198,7 @@ def test_build_count_is_within_the_documented_bound():
     kept = _float_layers(chosen)
     n, k = len(candidates), len(kept)
     assert len(built) == len(set(built))  # nothing converted twice
-    assert len(built) <= 2 * n + k * (k + 1) // 2
+    assert len(built) <= (2 * n + 1 if k == 1 else k * n + k * k)
     assert built[: n + 1] == [frozenset(), *(frozenset({name}) for name in LAYERS)]
 
 
