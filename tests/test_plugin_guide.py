@@ -93,10 +93,12 @@ def test_weight_names_and_integers_are_what_the_guide_says():
     assert list(recorder.seen["Linear"]) == ["weight"]
     qparams, integers = recorder.seen["Linear"]["weight"]
     assert isinstance(qparams, qcore.QParams)
-    # integer_weight is clamp(round(w / scale) + zero_point, quant_min, quant_max)
+    # integer_weight is clamp(round(w * (1 / scale) + zero_point), quant_min, quant_max)
     scale = qparams.scale.reshape(-1, 1) if qparams.per_channel else qparams.scale
     zero_point = qparams.zero_point.reshape(-1, 1) if qparams.per_channel else qparams.zero_point
     expected = torch.clamp(
-        torch.round(model[3].weight / scale) + zero_point, qparams.quant_min, qparams.quant_max
+        torch.round(model[3].weight * (1.0 / scale) + zero_point),
+        qparams.quant_min,
+        qparams.quant_max,
     )
     assert torch.equal(integers.to(expected.dtype), expected)

@@ -144,12 +144,15 @@ def test_progress_frames_only_on_a_terminal(backend):
             progress_stream=progress,
         )
     assert "\r" not in log.getvalue()
-    assert log.getvalue().splitlines() == [
-        f"{backend}:",
-        f"  calibrating mlp for {backend} (fx): 3 batches",
-    ]
+    lines = log.getvalue().splitlines()
+    assert lines[:2] == [f"{backend}:", f"  calibrating mlp for {backend} (fx): 3 batches"]
+    # where int8 measured slower than float on this machine, one line more says so
+    assert lines[2:] in (
+        [],
+        ["  mlp: int8 slower than float; measuring which layers to keep float"],
+    )
     assert terminal.getvalue().count("\r") == 3  # one frame per batch
-    assert terminal.getvalue().endswith(f"3/3 calibrating mlp for {backend} (fx)\n")
+    assert f"3/3 calibrating mlp for {backend} (fx)\n" in terminal.getvalue()
 
 
 def test_sqnr_column_says_when_nothing_was_quantized():

@@ -169,9 +169,10 @@ def annotate_with_backend_config(
         match = matches.get(node)
         if match is not None and match.output not in tensor_nodes:
             match = None  # list arithmetic (``[1] * n``), a bool mask: nothing to quantize
-        if returns_container(node):
+        if returns_container(node) and not _quantizes_weights(match):
             # an op on a whole tuple (nn.Identity on LSTM's (out, (h, c))): observers take
-            # one tensor, so it runs in float on what it is given
+            # one tensor, so it runs in float on what it is given (a dynamic LSTM, whose
+            # weights are quantized and its tuple output float, is no such op)
             reason = "passes a tuple or list of tensors along, not one tensor"
             entries[node.name] = Entry(node.name, op, Status.NOT_AN_OP, reason)
             continue
@@ -215,6 +216,12 @@ def annotate_with_backend_config(
         _annotate(match, qconfig, dtype_config, tensor_nodes, annotations, spec_cache, indexes)
     reuse_observed_inputs(annotations)
     return annotations, decisions, entries
+
+
+def _quantizes_weights(match: Match | None) -> bool:
+    return match is not None and any(
+        config.weight_dtype is not None for config in match.config.dtype_configs
+    )
 
 
 def returns_container(node: Node) -> bool:
