@@ -204,6 +204,10 @@ class BackendQuantizer(Quantizer):
         for node in reversed(model.graph.nodes):
             if node.op != "call_function" or node in matched:
                 continue
+            if not _floating_output(node):
+                # integer arithmetic (position ids, lengths): no observer takes it
+                node.meta[REASON_KEY] = "computes no floating-point tensor (integers, a mask)"
+                continue
             reasons = []
             for rule in self.rules:
                 nodes = match_aten(node, rule.pattern)
@@ -249,6 +253,13 @@ class BackendQuantizer(Quantizer):
             rejections += why
         pattern = rule.configs[0].describe_pattern()
         return None, f"QConfig rejected by pattern {pattern}: " + "; ".join(rejections)
+
+
+def _floating_output(node: Node) -> bool:
+    """False for a node export says gives an integer or bool tensor; True otherwise
+    (a float tensor, or no single tensor recorded)."""
+    value = node.meta.get("val")
+    return not isinstance(value, torch.Tensor) or value.is_floating_point()
 
 
 def _annotate_match(
