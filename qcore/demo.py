@@ -221,7 +221,6 @@ def _keep_float_for(result: DemoResult, entry: ZooEntry, batches: int, min_sqnr:
     """``qcore.quantize(accuracy_budget=MinSQNR(min_sqnr))`` on the FX path: which
     layers and function calls it keeps float, and the SQNR that model reaches."""
     from qcore.accuracy import AccuracyBudgetNotMet, MinSQNR
-    from qcore.api import explain, quantize
 
     result.kept_float = {}
     if result.path != "fx":
@@ -230,27 +229,46 @@ def _keep_float_for(result: DemoResult, entry: ZooEntry, batches: int, min_sqnr:
     model = entry.make_model()
     try:
         with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("ignore", QCoreWarning)
             warnings.simplefilter("always", AccuracyBudgetNotMet)
-            chosen = quantize(
-                model,
-                entry.example_inputs(),
-                entry.calibration_data(batches),
-                result.backend,
-                _mapping(result.backend, entry),
-                accuracy_budget=MinSQNR(db=min_sqnr),
+            chosen = _quantize_with(
+                result, entry, model, batches, accuracy_budget=MinSQNR(min_sqnr)
             )
     except Exception as error:  # one failure must not end the demo
         result.budget_note = f"failed: {type(error).__name__}"
         return
     if any(issubclass(w.category, AccuracyBudgetNotMet) for w in caught):
         result.budget_note = "not met"
-    result.kept_float = {
-        entry.node: entry.reason
-        for entry in explain(chosen).float
-        if entry.reason.startswith("kept float (accuracy budget")
-    }
+    result.kept_float = _kept_float(chosen, "accuracy budget")
     result.budget_sqnr_db = _eval_sqnr(entry, model, chosen)
+
+
+def _quantize_with(
+    result: DemoResult, entry: ZooEntry, model: torch.nn.Module, batches: int, **option: Any
+) -> torch.nn.Module:
+    """``qcore.quantize`` of the row's model, backend and mapping with one ``option``
+    (``accuracy_budget=``, ``keep_float_if_slower=``); QCoreWarnings are the report's."""
+    from qcore.api import quantize
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", QCoreWarning)
+        return quantize(
+            model,
+            entry.example_inputs(),
+            entry.calibration_data(batches),
+            result.backend,
+            _mapping(result.backend, entry),
+            **option,
+        )
+
+
+def _kept_float(model: torch.nn.Module, option: str) -> dict[str, str]:
+    """node -> reason, for each layer ``option`` ("accuracy budget") kept float."""
+    from qcore.api import explain
+
+    prefix = f"kept float ({option}"
+    return {
+        kept.node: kept.reason for kept in explain(model).float if kept.reason.startswith(prefix)
+    }
 
 
 def _keep_float_where_slower(
@@ -259,27 +277,12 @@ def _keep_float_where_slower(
     """Where int8 measured slower than float on the FX path: the model
     ``qcore.quantize(keep_float_if_slower=True)`` returns, its latency measured as
     the others are, and the layers it keeps float."""
-    from qcore.api import explain, quantize
-
     model = entry.make_model()
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", QCoreWarning)
-            faster = quantize(
-                model,
-                entry.example_inputs(),
-                entry.calibration_data(batches),
-                result.backend,
-                _mapping(result.backend, entry),
-                keep_float_if_slower=True,
-            )
+        faster = _quantize_with(result, entry, model, batches, keep_float_if_slower=True)
     except Exception:  # noqa: BLE001 - the row keeps its int8 figure; one failure must not end the demo
         return
-    result.kept_for_speed = {
-        kept.node: kept.reason
-        for kept in explain(faster).float
-        if kept.reason.startswith("kept float (keep_float_if_slower")
-    }
+    result.kept_for_speed = _kept_float(faster, "keep_float_if_slower")
     inputs = entry.example_inputs()
     float_ms, faster_ms = [], []
     for _ in range(3):  # in turn, so a burst of load hits both alike

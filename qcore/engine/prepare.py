@@ -184,6 +184,8 @@ def _swap_qat_modules(gm: GraphModule, decisions: list[Decision]) -> None:
         setattr(gm.get_submodule(parent_name) if parent_name else gm, attr, qat_module)
 
 
+@observer_facts_reused()
+@collector_paused()
 def prepare(
     model: torch.nn.Module,
     qconfig_mapping: Any,
@@ -199,34 +201,6 @@ def prepare(
 ) -> GraphModule:
     """``prepare_standalone(module, settings, qconfig)`` prepares a standalone submodule
     (needed when ``custom_config`` names any)."""
-    with observer_facts_reused(), collector_paused():
-        return _prepare(
-            model,
-            qconfig_mapping,
-            example_inputs,
-            backend_name,
-            backend_config,
-            kernels,
-            is_qat=is_qat,
-            custom_config=custom_config,
-            make_fixed=make_fixed,
-            prepare_standalone=prepare_standalone,
-        )
-
-
-def _prepare(
-    model: torch.nn.Module,
-    qconfig_mapping: Any,
-    example_inputs: tuple | None,
-    backend_name: str,
-    backend_config: BackendConfig,
-    kernels: tuple,
-    *,
-    is_qat: bool,
-    custom_config: CustomConfig,
-    make_fixed: Any,
-    prepare_standalone: PrepareOne | None,
-) -> GraphModule:
     gm = trace(model, custom_config)
     if is_qat:
         gm.train()
