@@ -135,6 +135,10 @@ def test_quantize_runs_correct_bias_as_the_pass_does(backend):
     assert applied_algorithms(plain) == ()
 
 
+@pytest.mark.skipif(
+    not any(installed(name) for name in ("fbgemm", "qnnpack", "x86")),
+    reason="native needs a backend plugin",
+)
 def test_a_before_calibration_pass_gets_the_data_and_its_options():
     """smooth_quant runs before calibration on the calibration batches, with the
     alpha given: the model the manual steps give, and a better one than plain."""

@@ -312,6 +312,7 @@ class FunctionalLinear(nn.Module):
         return F.linear(x, self.w, self.b)
 
 
+@pytest.mark.skipif(not installed("fbgemm"), reason="needs the fbgemm plugin")
 @pytest.mark.parametrize(
     "qconfig",
     [default_qconfig, torch.ao.quantization.float16_dynamic_qconfig],
