@@ -24,14 +24,18 @@ class PositionIds(torch.nn.Module):
 
 @pytest.mark.parametrize("backend", backend_params())
 def test_integer_add_is_not_observed_and_the_model_quantizes(backend: str) -> None:
+    torch.manual_seed(0)
     model = PositionIds().eval()
-    example = (torch.randn(2, 5, 8), torch.arange(5).repeat(2, 1))
+    ids = torch.arange(5).repeat(2, 1)
+    batches = [
+        (torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(s)), ids) for s in range(3)
+    ]
+    example = batches[0]  # a calibration batch: its range is observed, so no clipping
     exported = torch.export.export(model, example).module()
     prepared = qcore.prepare_pt2e(exported, backend)
     with torch.no_grad():
-        for seed in range(3):
-            generator = torch.Generator().manual_seed(seed)
-            prepared(torch.randn(2, 5, 8, generator=generator), example[1])
+        for batch in batches:
+            prepared(*batch)
     observed = [
         node.args[0]
         for node in prepared.graph.nodes
