@@ -521,8 +521,9 @@ def quantize(
 
     base = _check_mapping(qconfig_mapping, resolve_backend(backend)[3], False)
 
-    # accuracy_budget tries function calls (add, matmul) too; a layer's speed is its own
-    found = keep_float.Candidates.of(model, converted) if budget else keep_float.Candidates()
+    # conv/linear layers and quantized function calls (add, matmul): a model whose
+    # int8 form loses everywhere gets to all float, with no quantize left between
+    found = keep_float.Candidates.of(model, converted)
 
     def build_keeping_float(names: frozenset[str]) -> GraphModule:
         if not names:
@@ -540,7 +541,7 @@ def quantize(
     else:
         inputs = _check_inputs(example_inputs)
         chosen = latency.keep_faster(
-            build_keeping_float, latency.weighted_layers(converted), latency.measure_latency(inputs)
+            build_keeping_float, found.names, latency.measure_latency(inputs)
         )
     if steps:
         record(chosen, applied)
