@@ -435,9 +435,10 @@ def quantize(
     what it holds and forward's signature, raised before the model runs on it.
 
     ``keep_float_if_slower=True`` measures, on ``example_inputs``, the converted
-    model against the same with each conv/linear in turn kept float, and returns
-    the fastest (``qcore.latency``); ``qcore.explain`` gives each layer kept float
-    with both timings. It converts once per conv/linear: opt-in, for deployment.
+    model against the same with each candidate in turn kept float (each conv/linear
+    and quantized function call, as for ``accuracy_budget``), then all of them, and
+    returns the fastest (``qcore.latency``); ``qcore.explain`` gives each one kept
+    float with both timings. It converts once per candidate: opt-in, for deployment.
 
     ``accuracy_budget`` keeps the fewest candidates float that bring the model
     within a budget (``qcore.accuracy``); the candidates are the conv/linear

@@ -1,6 +1,7 @@
 """Layers kept float by choice: which layers can be, and saying why in explain.
 
-``qcore.quantize`` keeps conv/linear layers float for two reasons: they run
+``qcore.quantize`` keeps layers (conv/linear, and quantized function calls such
+as add and matmul) float for two reasons: they run
 slower in int8 (``keep_float_if_slower``, :mod:`qcore.latency`) or the model
 misses its accuracy budget with them quantized (``accuracy_budget``,
 :mod:`qcore.accuracy`). Both search over a :data:`Build`, which converts the
@@ -163,9 +164,9 @@ def keep_float_mapping(
 
 @dataclass(frozen=True)
 class Candidates:
-    """What ``accuracy_budget`` may keep float: the conv/linear layers and the
-    quantized function calls (``names``), the calls' QConfigMapping keys (``ops``),
-    and what goes float with each (``float_with``)."""
+    """What ``accuracy_budget`` and ``keep_float_if_slower`` may keep float: the
+    conv/linear layers and the quantized function calls (``names``), the calls'
+    QConfigMapping keys (``ops``), and what goes float with each (``float_with``)."""
 
     names: list[str] = field(default_factory=list)
     ops: dict[str, OpKey] = field(default_factory=dict)

@@ -1,7 +1,8 @@
-"""convert's ``qconfig_mapping``: torch.ao lets it set QConfigs to None.
+"""convert's ``qconfig_mapping``, on qcore's own prepared state (no torch.ao flow).
 
-torch.ao's ``convert_fx(prepared, qconfig_mapping=...)`` takes the prepare
-mapping again, where any QConfig may be None: those ops stay float (a QAT
+``qcore.convert_fx(prepared, qconfig_mapping=...)`` takes the argument as torch.ao
+documents it: the prepare mapping again, where any QConfig may be None: those
+ops stay float (a QAT
 module returns to its float class), and an observer between ops that are all
 float then goes. Any other change is an error naming the op, as in torch.ao.
 """
