@@ -51,9 +51,13 @@ sys.path.insert(0, str(ROOT / "tests"))
 THREADS = 2
 ZOO_MODELS = ("resnet18_like", "mobilenetv2_like", "mlp", "transformer_block")
 REAL_MODELS = ("mobilenet_v2", "efficientnet", "convnext", "bert")
+#: The depthwise nets with batch norms, planted with trained-like statistics (make_case).
+PLANTED = ("mobilenetv2_like+trained_bn", "mobilenet_v2+trained_bn", "efficientnet+trained_bn")
 #: Depthwise-separable nets: where issue 17 asks equalize + correct_bias for >= 2 dB.
 DEPTHWISE = ("mobilenetv2_like", "mobilenet_v2", "efficientnet", "convnext")
 BACKENDS = ("x86", "qnnpack")
+#: A row beside the backends: qnnpack with per-channel weights (its_quantizer).
+QNNPACK_PER_CHANNEL = "qnnpack per-channel"
 #: qcore's recipes, in table order: name -> quantize's algorithms=.
 RECIPES: dict[str, list] = {
     "plain": [],
@@ -119,15 +123,133 @@ def real_case(name: str) -> Case:
     )
 
 
+#: Suffix of a model name whose batch norms get trained-like statistics (plant_trained_bn).
+TRAINED_BN = "+trained_bn"
+#: Seeds of the planting: the gammas' draw, and the batches the running statistics settle on
+#: (neither the weights' 0, the calibration's 1 nor the evaluation's 2).
+PLANT_SEED, SETTLE_SEED = 17, 3
+#: log10 of the factor each BatchNorm channel's gamma is multiplied by: uniform in
+#: [-2, 0], two decades below the model's own gammas, never above: a trained
+#: MobileNetV2 loses next to nothing when its ReLU6s become ReLUs (Nagel et al.), so
+#: its activations rarely reach 6, and planting must not push them there.
+GAMMA_DECADES = (-2.0, 0.0)
+#: The batch norms' eps, at most: torch's default. transformers' TF ports use 1e-3,
+#: above the variance their random convs (normal, std 0.02) give, so a planted small
+#: gamma would leave channels eps-dominated, fading to nothing through the depth.
+EPS = 1e-5
+
+
+def plant_trained_bn(model: torch.nn.Module, settle_batches: list[tuple]) -> None:
+    """Give ``model``'s BatchNorms the per-channel spread training leaves them (in place).
+
+    Each channel's gamma is multiplied by ``10 ** U(GAMMA_DECADES)`` (seeded), its beta
+    kept; then every running mean and variance is set to the exact average over
+    ``settle_batches`` (the batch norms alone in train mode, twice, so each sees the
+    previous ones' planted output): the statistics a trained net's channels really
+    produce. After folding, a conv's output channel ``c`` is scaled by
+    ``gamma_c / sqrt(var_c + eps)``; trained MobileNetV2's first depthwise layer has
+    per-channel weight ranges spanning two to three decades that way (Nagel et al.,
+    Data-Free Quantization, 2019, Fig. 2), from small and dead channels (small gammas,
+    small input variance). Setting ``running_var`` apart from the data would only be
+    another gamma (the conv's weight scale cancels in the fold), so the variances are
+    the data's. The float model is a valid function and is the reference SQNR is
+    measured against.
+    """
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    generator = torch.Generator().manual_seed(PLANT_SEED)
+    low, high = GAMMA_DECADES
+    with torch.no_grad():
+        for norm in norms:
+            exponent = torch.rand(norm.num_features, generator=generator) * (high - low) + low
+            norm.weight.mul_(10.0**exponent)
+            norm.eps = min(norm.eps, EPS)
+        for _ in range(2):
+            for norm in norms:
+                norm.reset_running_stats()
+                norm.momentum = None  # cumulative average over the batches
+                norm.train()
+            for batch in settle_batches:
+                model(*batch)
+        for norm in norms:
+            norm.momentum = 0.1
+            norm.eval()
+
+
+def folded_depthwise_spreads(model: torch.nn.Module) -> list[float]:
+    """Per depthwise conv directly followed by a BatchNorm (module order): the largest
+    over the smallest per-channel range of its weight with the BatchNorm folded in."""
+    spreads, previous = [], None
+    for module in model.modules():
+        if isinstance(module, torch.nn.BatchNorm2d) and previous is not None:
+            gain = module.weight / torch.sqrt(module.running_var + module.eps)
+            ranges = (previous.weight.flatten(1).abs().amax(1) * gain.abs()).detach()
+            spreads.append(float(ranges.max() / ranges.min()))
+        is_depthwise = (
+            isinstance(module, torch.nn.Conv2d)
+            and module.groups > 1
+            and module.groups == module.in_channels == module.out_channels
+        )
+        if isinstance(module, torch.nn.Conv2d):
+            previous = module if is_depthwise else None
+        elif not isinstance(module, torch.nn.BatchNorm2d) and not list(module.children()):
+            previous = None
+    return spreads
+
+
+def make_case(name: str) -> Case:
+    """The case ``name``: an example model, a transformers model, or either with
+    ``TRAINED_BN`` appended (its batch norms planted, :func:`plant_trained_bn`)."""
+    base = name.removesuffix(TRAINED_BN)
+    case = zoo_case(base) if base in ZOO else real_case(base)
+    if base != name:
+        if not folded_depthwise_spreads(case.model):
+            raise ValueError(
+                f"model {name!r}: {base} has no depthwise conv followed by a BatchNorm to plant"
+            )
+        if base in ZOO:
+            settle = ZOO[base].calibration_data(4, seed=SETTLE_SEED)
+        else:
+            from realmodels.models import BUILDERS, CALIBRATION_BATCHES
+
+            settle = BUILDERS[base][2](SETTLE_SEED, CALIBRATION_BATCHES)
+        plant_trained_bn(case.model, settle)
+        case.name = name
+    spreads = folded_depthwise_spreads(case.model)
+    if spreads:
+        SPREADS[name] = spreads
+    return case
+
+
+#: Per model run with depthwise convs and batch norms: folded per-channel range spreads.
+SPREADS: dict[str, list[float]] = {}
+
+
 def score(model: torch.nn.Module, quantized: Callable, evaluation: list[tuple]) -> float:
     with torch.no_grad():
         values = [sqnr(model(*batch), quantized(*batch)) for batch in evaluation]
     return sum(values) / len(values)
 
 
+def its_quantizer(backend: str) -> object:
+    """What ``prepare_pt2e`` gets for a row: the backend's name (its default Quantizer),
+    or for ``QNNPACK_PER_CHANNEL`` qnnpack's Quantizer compiled with its default
+    QConfigMapping whose global QConfig takes per-channel symmetric weights, what a
+    user writes for torchao's ``XNNPACKQuantizer(is_per_channel=True)``: torch's
+    qnnpack conv and linear kernels take per-channel weights."""
+    if backend != QNNPACK_PER_CHANNEL:
+        return backend
+    from qcore.observers import default_per_channel_weight_observer
+    from qcore.pt2e.backend_quantizer import BackendQuantizer
+
+    mapping = qcore.get_default_qconfig_mapping("qnnpack")
+    activation = mapping.global_qconfig.activation
+    mapping.set_global(qcore.QConfig(activation, default_per_channel_weight_observer))
+    return BackendQuantizer.for_backend("qnnpack", mapping)
+
+
 def qcore_sqnr(case: Case, exported: torch.fx.GraphModule, backend: str, recipe: list) -> float:
     steps = resolve_algorithms(recipe)
-    prepared = qcore.prepare_pt2e(exported, backend)
+    prepared = qcore.prepare_pt2e(exported, its_quantizer(backend))
     prepared, _ = run_stage(prepared, steps, BEFORE_CALIBRATION, case.calibration)
     with torch.no_grad():
         for batch in case.calibration:
@@ -269,7 +391,12 @@ def best(row: Row) -> tuple[str, float]:
     return label, found[label]
 
 
-def render(rows: list[Row], nncf_version: str | None) -> str:
+def render(rows: list[Row], nncf_version: str | None, kept: dict[str, str] | None = None) -> str:
+    """The generated part of ALGORITHMS.md. ``kept``: qcore table lines (by
+    "| model | backend |") and target lines (by "model / backend") to print as they
+    are: rows merged from an earlier run, whose numbers the file holds rounded
+    (:func:`earlier_rows`)."""
+    kept = kept or {}
     labels = list(RECIPES)
     lines = [
         "# Post-training algorithms: SQNR gain per algorithm, qcore against NNCF",
@@ -289,6 +416,9 @@ def render(rows: list[Row], nncf_version: str | None) -> str:
     ]
     for row in rows:
         if row.backend == "nncf":
+            continue
+        if f"| {row.model} | {row.backend} |" in kept:  # as printed: ties stay as they were
+            lines.append(kept[f"| {row.model} | {row.backend} |"])
             continue
         label, value = best(row)
         cells = [_db(row.sqnr.get(name)) for name in labels]
@@ -314,8 +444,11 @@ def render(rows: list[Row], nncf_version: str | None) -> str:
     for row in rows:
         if row.backend == "nncf":
             continue
+        if f"{row.model} / {row.backend}" in kept:
+            lines.append(kept[f"{row.model} / {row.backend}"])
+            continue
         notes = []
-        if row.model in DEPTHWISE:
+        if row.model.removesuffix(TRAINED_BN) in DEPTHWISE:
             gain = max(
                 row.sqnr.get("equalize+correct_bias", math.nan),
                 row.sqnr.get("equalize(relu6)+correct_bias", math.nan),
@@ -335,6 +468,18 @@ def render(rows: list[Row], nncf_version: str | None) -> str:
                     f"({'met' if ours >= theirs else 'NOT met'}: never below NNCF)"
                 )
         lines.append(f"- {row.model} / {row.backend}: " + "; ".join(notes))
+    if SPREADS:
+        lines += [
+            "",
+            "## Depthwise weight ranges after batch-norm folding (`" + TRAINED_BN + "`: planted)",
+            "",
+            "Per depthwise conv followed by a BatchNorm, in model order: its largest over "
+            "smallest per-channel weight range once the BatchNorm is folded in.",
+            "",
+        ]
+        for name, spreads in SPREADS.items():
+            shown = ", ".join(f"{value:.0f}" for value in spreads)
+            lines.append(f"- {name}: {shown} (median {sorted(spreads)[len(spreads) // 2]:.0f})")
     failed = [(row, label, error) for row in rows for label, error in row.errors.items()]
     if failed:
         lines += ["", "## Failures", ""]
@@ -346,12 +491,18 @@ def render(rows: list[Row], nncf_version: str | None) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(ZOO_MODELS + REAL_MODELS))
+    parser.add_argument("--models", default=",".join(ZOO_MODELS + REAL_MODELS + PLANTED))
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "ALGORITHMS.md"))
     parser.add_argument(
         "--fx-only", action="store_true", help="only qcore.quantize (FX) on the example models"
     )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the rows --out already has for the models and backends not run now",
+    )
+    parser.add_argument("--no-nncf", action="store_true", help="run qcore only")
     args = parser.parse_args(argv)
     torch.set_num_threads(THREADS)
     warnings.simplefilter("ignore")
@@ -366,16 +517,72 @@ def main(argv: list[str] | None = None) -> None:
         rows = fx_rows([n for n in args.models.split(",") if n in ZOO], backends)
         print(render_fx(rows))
         return
+    out = Path(args.out)
+    earlier, kept = earlier_rows(out.read_text()) if args.merge and out.exists() else ([], {})
     rows: list[Row] = []
     for name in args.models.split(","):
-        case = zoo_case(name) if name in ZOO else real_case(name)
+        case = make_case(name)
         torch.manual_seed(0)
-        rows += measure(case, backends, nncf_version is not None)
-        write(Path(args.out), render(rows, nncf_version))  # a long run keeps what it has
-    print(render(rows, nncf_version))
+        rows += measure(case, backends, nncf_version is not None and not args.no_nncf)
+        fresh = {f"{row.model} / {row.backend}" for row in rows}
+        fresh |= {f"| {row.model} | {row.backend} |" for row in rows}
+        tables = render(
+            merged(earlier, rows),
+            nncf_version,
+            {key: line for key, line in kept.items() if key not in fresh},
+        )
+        write(out, tables)  # a long run keeps what it has
+    print(tables)
 
 
 NOTES = "<!-- notes: written by hand, kept when the tables are regenerated -->"
+
+
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+def earlier_rows(text: str) -> tuple[list[Row], dict[str, str]]:
+    """``--merge``: the rows of an ALGORITHMS.md's generated tables (numbers as printed,
+    one decimal; a ``-`` cell left out, a failure back in ``errors``), and its qcore
+    table and target lines as printed (see :func:`render`)."""
+    rows: dict[tuple[str, str], Row] = {}
+    kept: dict[str, str] = {}
+    section, header = "", []
+    generated = text[: text.index(NOTES)] if NOTES in text else text
+    for line in generated.splitlines():
+        if line.startswith("## "):
+            section, header = line, []
+        elif line.startswith("| model |"):
+            header = _cells(line)
+        elif line.startswith("|") and header and not line.startswith("|---"):
+            cells = _cells(line)
+            nncf = "NNCF" in section
+            model, backend = cells[0], "nncf" if nncf else cells[1]
+            row = rows.setdefault((model, backend), Row(model, backend))
+            if not nncf:
+                kept[f"| {model} | {backend} |"] = line
+            for label, cell in zip(
+                header[1 if nncf else 2 : -1], cells[1 if nncf else 2 : -1], strict=True
+            ):
+                if cell != "-":
+                    row.sqnr[label] = float(cell)
+        elif section == "## Targets" and line.startswith("- "):
+            kept[line[2:].split(":", 1)[0]] = line
+        elif section == "## Failures" and line.startswith("- "):
+            model, backend, rest = line[2:].split(" / ", 2)
+            label, error = rest.split(": ", 1)
+            row = rows.setdefault((model, backend), Row(model, backend))
+            row.sqnr[label], row.errors[label] = math.nan, error
+    return list(rows.values()), kept
+
+
+def merged(old: list[Row], new: list[Row]) -> list[Row]:
+    """``old`` with the rows ``new`` measured again replaced in place, then the others
+    of ``new``; qcore rows first, NNCF rows after (the order render prints)."""
+    fresh = {(row.model, row.backend): row for row in new}
+    rows = [fresh.pop((row.model, row.backend), row) for row in old]
+    return rows + list(fresh.values())
 
 
 def write(path: Path, tables: str) -> None:
