@@ -502,6 +502,10 @@ def _annotate(
                     annotation.input_qspec_map[arg] = spec_from_ctr(qconfig.weight, cache)
                 continue
             if act_spec is not None:
+                if getattr(act_spec, "is_dynamic", False) and (node, index) != (match.root, 0):
+                    # torch.ao FX quantizes a dynamic pattern's first input alone (its
+                    # is_zeroth_arg): a recurrent layer's hidden state enters float.
+                    continue
                 annotation.input_qspec_map[arg] = act_spec
                 first_edge = first_edge or (arg, node)
     output = annotations.setdefault(match.output, QuantizationAnnotation(_annotated=True))

@@ -117,7 +117,8 @@ def weight_names(module: torch.nn.Module) -> list[str]:
     """Names of the weight parameters to quantize, relative to ``module``."""
     child = weighted_child(module)
     prefix = "0." if child is not module else ""
-    if isinstance(child, torch.nn.RNNBase):
+    # Recurrent layers and cells hold several weights (weight_ih_l0, weight_hh, ...).
+    if isinstance(child, (torch.nn.RNNBase, torch.nn.RNNCellBase)):
         return [prefix + name for name, _ in child.named_parameters() if name.startswith("weight")]
     return [prefix + "weight"] if isinstance(getattr(child, "weight", None), torch.Tensor) else []
 
