@@ -203,8 +203,14 @@ def _check_one_kernel(name: str, kernel: Any, built: Any) -> None:
     # torch's dynamic LSTM/GRU also quantize the hidden state at every step, which
     # the reference form (a float recurrence on dequantized weights) does not:
     # measured up to 0.16% of the largest output on the generated GRU; allowed 1%.
-    recurrent = any(isinstance(m, torch.nn.RNNBase) for m in built.model.modules())
-    relative = 1e-2 if recurrent else 1e-3
+    # torch's dynamic cell ops (LSTMCell, GRUCell, RNNCell) quantize their input to
+    # 7 bits on fbgemm/x86 whatever the QConfig says (8 in the reference form; with
+    # a 7-bit QConfig they agree to 1e-7): measured up to 2.8% on the generated
+    # cells; allowed 5%.
+    modules = list(built.model.modules())
+    recurrent = any(isinstance(m, torch.nn.RNNBase) for m in modules)
+    cell = any(isinstance(m, torch.nn.RNNCellBase) for m in modules)
+    relative = 5e-2 if cell else 1e-2 if recurrent else 1e-3
     if not step and error > relative * largest + 2 * _output_step(reference):
         _fail(
             f"{pattern}: max difference {error:.3g} from the reference form "

@@ -139,6 +139,9 @@ _FIRST: dict[Any, tuple[Callable[[], nn.Module], Callable[[], tuple]]] = {
     nn.ConvTranspose3d: (lambda: nn.ConvTranspose3d(2, 3, 3), _X3),
     nn.LSTM: (lambda: _FirstOutput(nn.LSTM(16, 8)), _x(5, 2, 16)),
     nn.GRU: (lambda: _FirstOutput(nn.GRU(16, 8)), _x(5, 2, 16)),
+    nn.LSTMCell: (lambda: _FirstOutput(nn.LSTMCell(16, 8)), _XL),
+    nn.GRUCell: (lambda: nn.GRUCell(16, 8), _XL),
+    nn.RNNCell: (lambda: nn.RNNCell(16, 8), _XL),
     nn.Embedding: (lambda: nn.Embedding(10, 8), lambda: (torch.randint(0, 10, (4, 3)),)),
     nn.EmbeddingBag: (
         lambda: nn.EmbeddingBag(10, 8, mode="sum"),
@@ -279,7 +282,7 @@ _FIRST["hardswish_"] = (lambda: _Call(lambda x: F.hardswish(x, inplace=True)), _
 _FIRST["hardtanh_"] = (lambda: _Call(lambda x: F.hardtanh(x, inplace=True)), _X2)
 _THEN["relu_"] = lambda: _Call(lambda y: y.relu_())
 
-_DYNAMIC_ONLY = (nn.LSTM, nn.GRU)
+_DYNAMIC_ONLY = (nn.LSTM, nn.GRU, nn.LSTMCell, nn.GRUCell, nn.RNNCell)
 _WEIGHT_ONLY = (nn.Embedding, nn.EmbeddingBag)
 
 
@@ -305,7 +308,7 @@ _FIRST[nni.ConvAddReLU2d] = (lambda: _ConvAdd(relu=True), _conv_add_inputs)
 
 
 class _FirstOutput(nn.Module):
-    """A recurrent layer's output sequence (its hidden state left out)."""
+    """A recurrent layer's output sequence (its hidden state left out), an LSTM cell's h."""
 
     def __init__(self, rnn: nn.Module) -> None:
         super().__init__()

@@ -4,6 +4,7 @@ Modules by family: ``weighted`` (linear, conv, conv-transpose), ``binary``
 (add, mul, cat, matmul), ``activations``, ``norms``, ``shape`` (pooling and
 shape ops on int8 as they are), ``layout`` (elementwise ops in the
 input's memory order), ``dynamic`` (dynamic linear, LSTM, GRU),
+``dynamic_cells`` (dynamic LSTMCell, GRUCell, RNNCell),
 ``embedding`` (weight-only), ``onednn`` (x86's fused kernels); ``packed``
 (save/load of packed weights), ``runtime`` (the engine in use, scoped) and
 ``library`` (the full set per engine).

@@ -3,11 +3,12 @@
 Linear becomes ``torch.ops.quantized.linear_dynamic`` (``linear_relu_dynamic``,
 ``linear_dynamic_fp16``); LSTM and GRU become ``torch.quantized_lstm`` /
 ``torch.quantized_gru`` on cell parameters packed per layer and direction, the
-ops behind torch.ao.nn.quantized.dynamic. int8 kernels quantize their input on
-the fly to the range the reference's dynamic fake-quantize uses (``reduce_range``
-when it is 7-bit, fbgemm's overflow guard). On a CPU where fbgemm's int8
-products saturate (x86 without VNNI) they always use 7 bits there, as torch.ao's
-dynamic modules always do: 8-bit inputs would be off by many steps.
+ops behind torch.ao.nn.quantized.dynamic (its cells: ``dynamic_cells``). int8
+kernels quantize their input on the fly to the range the reference's dynamic
+fake-quantize uses (``reduce_range`` when it is 7-bit, fbgemm's overflow guard).
+On a CPU where fbgemm's int8 products saturate (x86 without VNNI) they always use
+7 bits there, as torch.ao's dynamic modules always do: 8-bit inputs would be off
+by many steps.
 
 Rounding that legitimately differs from the reference: the recurrent kernels
 also quantize their hidden state and gate inputs at every step, where the
@@ -35,8 +36,8 @@ _linear_relu_dynamic = torch.ops.quantized.linear_relu_dynamic
 _linear_dynamic = torch.ops.quantized.linear_dynamic
 
 
-def _dynamic_reference(match: KernelMatch) -> tuple[ReferenceModule, bool, bool]:
-    """(reference module, fp16 weights?, reduce_range)."""
+def dynamic_reference(match: KernelMatch) -> tuple[ReferenceModule, bool, bool]:
+    """(reference module, fp16 weights?, reduce_range) of a dynamic match, else refuse."""
     reference = match.module
     require(isinstance(reference, ReferenceModule), "its weights are not quantized")
     require(match.output is None, "its output is quantized (a static pattern)")
@@ -52,7 +53,7 @@ def _dynamic_reference(match: KernelMatch) -> tuple[ReferenceModule, bool, bool]
     require(len(match.dynamic) == 1, "its input is not dynamically quantized")
     require(
         all(not q.per_channel for q in reference.weight_qparams.values())
-        or isinstance(weighted_child(reference.module), torch.nn.Linear),
+        or isinstance(weighted_child(reference.module), (torch.nn.Linear, torch.nn.RNNCellBase)),
         "per-channel recurrent weights",
     )
     saturates = match.engine in SATURATING_ENGINES and int8_products_saturate()
@@ -97,7 +98,7 @@ class DynamicLinear(PackedWeights):
 
     @classmethod
     def lower(cls, match: KernelMatch, relu: bool = False):
-        reference, fp16, reduce_range = _dynamic_reference(match)
+        reference, fp16, reduce_range = dynamic_reference(match)
         return cls(reference, fp16, reduce_range, relu, match.engine)
 
 
@@ -205,7 +206,7 @@ class DynamicRNN(PackedWeights):
 
     @classmethod
     def lower(cls, match: KernelMatch):
-        reference, fp16, reduce_range = _dynamic_reference(match)
+        reference, fp16, reduce_range = dynamic_reference(match)
         return cls(reference, fp16, reduce_range, match.engine)
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from qcore.kernels import activations, binary, norms, shape
 from qcore.kernels.dynamic import DynamicLinear, DynamicRNN
+from qcore.kernels.dynamic_cells import DynamicCell
 from qcore.kernels.embedding import QuantizedEmbedding, QuantizedEmbeddingBag
 from qcore.kernels.weighted import QuantizedConv, QuantizedConvTranspose, QuantizedLinear
 from qcore.plugin.kernels import Kernel, KernelUnavailable
@@ -206,6 +207,11 @@ def families() -> list[tuple[str, list, object]]:
         ("linear_dynamic", [torch.nn.Linear], DynamicLinear.lower),
         *conv_kinds,
         ("rnn_dynamic", [torch.nn.LSTM, torch.nn.GRU], DynamicRNN.lower),
+        (
+            "rnn_cell_dynamic",
+            [torch.nn.LSTMCell, torch.nn.GRUCell, torch.nn.RNNCell],
+            DynamicCell.lower,
+        ),
         ("embedding", [torch.nn.Embedding], QuantizedEmbedding.lower),
         ("embedding_bag", [torch.nn.EmbeddingBag], QuantizedEmbeddingBag.lower),
         ("add_relu", _with_relu(add), functools.partial(binary.lower_binary, op="add", relu=True)),
