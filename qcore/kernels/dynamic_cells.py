@@ -5,14 +5,14 @@ Each runs torch's ``quantized_lstm_cell_dynamic`` / ``quantized_gru_cell_dynamic
 ``quantized_rnn_tanh_cell_dynamic`` / ``quantized_rnn_relu_cell_dynamic`` on its two
 packed linears (input-hidden, hidden-hidden), the ops behind
 ``torch.ao.nn.quantized.dynamic.LSTMCell``/``GRUCell``/``RNNCell``, so its outputs
-are torch.ao's.
+are torch.ao's (fp16: qcore's graph keeps the reference form's float16 rounding of
+the input before the kernel, which torch.ao's lowering drops).
 
 Rounding that legitimately differs from the reference form: torch's int8 cell ops
 quantize the input *and* the hidden state on the fly, to 7 bits on fbgemm and x86
 whatever the QConfig says (the ops take no ``reduce_range``; measured, the same as
 ``linear_dynamic(..., reduce_range=True)``), to 8 bits on qnnpack; the reference
-quantizes the input alone, to the QConfig's range. fp16 kernels keep the activation
-in float32, where the reference rounds it to float16.
+quantizes the input alone, to the QConfig's range.
 
 Example::
 
