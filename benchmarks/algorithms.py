@@ -222,6 +222,8 @@ def make_case(name: str) -> Case:
 
 #: Per model run with depthwise convs and batch norms: folded per-channel range spreads.
 SPREADS: dict[str, list[float]] = {}
+SPREAD_HEADING = "## Depthwise weight ranges after batch-norm folding"
+SPREAD_KEY = "spread: "  # their lines' keys among render's kept lines
 
 
 def score(model: torch.nn.Module, quantized: Callable, evaluation: list[tuple]) -> float:
@@ -393,9 +395,9 @@ def best(row: Row) -> tuple[str, float]:
 
 def render(rows: list[Row], nncf_version: str | None, kept: dict[str, str] | None = None) -> str:
     """The generated part of ALGORITHMS.md. ``kept``: qcore table lines (by
-    "| model | backend |") and target lines (by "model / backend") to print as they
-    are: rows merged from an earlier run, whose numbers the file holds rounded
-    (:func:`earlier_rows`)."""
+    "| model | backend |"), target lines (by "model / backend") and range-spread lines
+    (by ``SPREAD_KEY`` + model) to print as they are: rows merged from an earlier
+    run, whose numbers the file holds rounded (:func:`earlier_rows`)."""
     kept = kept or {}
     labels = list(RECIPES)
     lines = [
@@ -468,18 +470,21 @@ def render(rows: list[Row], nncf_version: str | None, kept: dict[str, str] | Non
                     f"({'met' if ours >= theirs else 'NOT met'}: never below NNCF)"
                 )
         lines.append(f"- {row.model} / {row.backend}: " + "; ".join(notes))
-    if SPREADS:
+    spread_lines = {key: line for key, line in kept.items() if key.startswith(SPREAD_KEY)}
+    for name, spreads in SPREADS.items():
+        shown = ", ".join(f"{value:.0f}" for value in spreads)
+        median = sorted(spreads)[len(spreads) // 2]
+        spread_lines[SPREAD_KEY + name] = f"- {name}: {shown} (median {median:.0f})"
+    if spread_lines:
         lines += [
             "",
-            "## Depthwise weight ranges after batch-norm folding (`" + TRAINED_BN + "`: planted)",
+            SPREAD_HEADING + " (`" + TRAINED_BN + "`: planted)",
             "",
             "Per depthwise conv followed by a BatchNorm, in model order: its largest over "
             "smallest per-channel weight range once the BatchNorm is folded in.",
             "",
+            *spread_lines.values(),
         ]
-        for name, spreads in SPREADS.items():
-            shown = ", ".join(f"{value:.0f}" for value in spreads)
-            lines.append(f"- {name}: {shown} (median {sorted(spreads)[len(spreads) // 2]:.0f})")
     failed = [(row, label, error) for row in rows for label, error in row.errors.items()]
     if failed:
         lines += ["", "## Failures", ""]
@@ -567,6 +572,8 @@ def earlier_rows(text: str) -> tuple[list[Row], dict[str, str]]:
             ):
                 if cell != "-":
                     row.sqnr[label] = float(cell)
+        elif section.startswith(SPREAD_HEADING) and line.startswith("- "):
+            kept[SPREAD_KEY + line[2:].split(":", 1)[0]] = line
         elif section == "## Targets" and line.startswith("- "):
             kept[line[2:].split(":", 1)[0]] = line
         elif section == "## Failures" and line.startswith("- "):
