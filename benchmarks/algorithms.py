@@ -1,7 +1,7 @@
 """Post-training algorithms (issue 17): each one's SQNR gain, qcore against NNCF.
 
     python benchmarks/algorithms.py [--models a,b] [--backends x86,qnnpack]
-                                    [--out benchmarks/ALGORITHMS.md]
+                                    [--out benchmarks/ALGORITHMS.md] [--merge] [--no-nncf]
 
 Needs transformers and nncf beside torch (a venv of its own: see ALGORITHMS.md).
 Per model (qcore's example models, and from tests/realmodels MobileNetV2,
@@ -14,6 +14,12 @@ batches. NNCF: ``nncf.quantize`` on the same exported graph (its Torch FX backen
 with the same calibration batches, 8-bit weights and activations as qcore, in the
 variants of ``nncf_variants``; its model is NNCF's reference graph (quantize and
 dequantize ops around float ops), run eagerly. A benchmark, not a check.
+
+A model named ``<model>+trained_bn`` is ``<model>`` with batch-norm statistics as
+training leaves them (:func:`plant_trained_bn`): the per-channel range imbalance
+equalization is for, which random weights do not have. The backend name
+``"qnnpack per-channel"`` is qnnpack with per-channel weights (:func:`its_quantizer`).
+``--merge`` keeps the rows ``--out`` has for what this run does not measure.
 """
 
 from __future__ import annotations
