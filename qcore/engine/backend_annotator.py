@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from qcore.config.compat import find_accepting_dtype_config
 from qcore.config.pattern import format_pattern
 from qcore.engine.custom_config import UnsupportedSetting
 from qcore.engine.explain import Entry, Status, op_name
+from qcore.engine.float_islands import FLOAT_ISLAND_REASON, REUSES_FLOAT_REASON, float_islands
 from qcore.engine.match import Match, find_matches, node_op
 from qcore.engine.qconfigs import pattern_qconfig
 from qcore.observers import PlaceholderObserver
@@ -215,7 +216,29 @@ def annotate_with_backend_config(
         indexes = match.config._input_type_to_index or op_indexes.get(match.root.target, {})
         _annotate(match, qconfig, dtype_config, tensor_nodes, annotations, spec_cache, indexes)
     reuse_observed_inputs(annotations)
+    reusing_float = {
+        node
+        for decision in decisions
+        if not _quantizes_weights(decision.match)  # weights are quantized at convert
+        and not any(_quantizes(annotations.get(n)) for n in decision.match.nodes)
+        for node in decision.match.nodes
+    }
+    reasons = dict.fromkeys(reusing_float, REUSES_FLOAT_REASON)
+    reasons.update(
+        dict.fromkeys(float_islands(nodes, annotations, reusing_float), FLOAT_ISLAND_REASON)
+    )
+    if reasons:
+        decisions = [d for d in decisions if d.match.output not in reasons]
+        for node, reason in reasons.items():
+            entries[node.name] = replace(entries[node.name], status=Status.FLOAT, reason=reason)
     return annotations, decisions, entries
+
+
+def _quantizes(annotation: QuantizationAnnotation | None) -> bool:
+    return annotation is not None and (
+        annotation.output_qspec is not None
+        or any(spec is not None for spec in annotation.input_qspec_map.values())
+    )
 
 
 def _quantizes_weights(match: Match | None) -> bool:
