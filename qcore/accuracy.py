@@ -168,6 +168,7 @@ def as_budget(value: Any) -> Budget | None:
 
 def sqnr(reference: torch.Tensor, actual: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB."""
+    reference, actual = reference.detach(), actual.detach()  # outputs of a model with grads
     noise = (reference - actual).norm()
     if noise == 0:
         return float("inf")

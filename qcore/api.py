@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -26,7 +27,7 @@ import torch
 from torch.fx import GraphModule
 
 from qcore.config import BackendConfig
-from qcore.config.errors import describe
+from qcore.config.errors import QCoreWarning, describe
 from qcore.config.qconfig import as_qconfig_mapping
 from qcore.config.standard_ops import standard_fusion_config
 from qcore.engine.boundaries import quantize_boundaries
@@ -42,6 +43,7 @@ from qcore.engine.custom_modules import custom_kernels, quantize_inputs_for, swa
 from qcore.engine.custom_tuples import tuple_output_qparams
 from qcore.engine.decomposed import to_decomposed
 from qcore.engine.explain import Report, report_of
+from qcore.engine.float_islands import islands_from_any_float_op
 from qcore.engine.fuse import fuse_graph
 from qcore.engine.lower import lower
 from qcore.engine.prepare import prepare
@@ -417,7 +419,7 @@ def quantize(
     keep_float_if_slower: bool = False,
     accuracy_budget: Any = None,
     algorithms: Any = None,
-) -> GraphModule:
+) -> torch.nn.Module:
     """Post-training quantization in one call: prepare, calibrate, convert.
 
     ``calibration_data`` is any iterable of batches (a list, a DataLoader). Each
@@ -438,7 +440,10 @@ def quantize(
     model against the same with each candidate in turn kept float (each conv/linear
     and quantized function call, as for ``accuracy_budget``), then all of them, and
     returns the fastest (``qcore.latency``); ``qcore.explain`` gives each one kept
-    float with both timings. It converts once per candidate: opt-in, for deployment.
+    float with both timings. When int8 pays nowhere and the user's own model runs
+    faster than a converted graph of float modules, that is returned: a copy of
+    ``model``, its explain report saying why each layer is float. It converts once
+    per candidate: opt-in, for deployment.
 
     ``accuracy_budget`` keeps the fewest candidates float that bring the model
     within a budget (``qcore.accuracy``); the candidates are the conv/linear
@@ -530,7 +535,12 @@ def quantize(
         if not names:
             return converted
         mapping = as_qconfig_mapping(base)
-        return build(keep_float.keep_float_mapping(mapping, names, found.ops, found.float_with))
+        mapping = keep_float.keep_float_mapping(mapping, names, found.ops, found.float_with)
+        # the first conversion already said what stays float; a candidate repeating
+        # it once per layer tried would bury that in copies
+        with warnings.catch_warnings(), islands_from_any_float_op():
+            warnings.simplefilter("ignore", QCoreWarning)
+            return build(mapping)
 
     if budget is not None:
         chosen = accuracy.keep_float_for_budget(
@@ -542,7 +552,7 @@ def quantize(
     else:
         inputs = _check_inputs(example_inputs)
         chosen = latency.keep_faster(
-            build_keeping_float, found.names, latency.measure_latency(inputs)
+            build_keeping_float, found.names, latency.measure_latency(inputs), float_model=model
         )
     if steps:
         record(chosen, applied)

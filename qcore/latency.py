@@ -15,13 +15,14 @@ so noise alone keeps int8. Explain gives each kept layer the two timings.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.fx import GraphModule
 
+from qcore.engine.explain import attach_report, report_of
 from qcore.keep_float import Build, mark_kept_float, weighted_layers
 
 __all__ = ["LatencyChoice", "keep_faster", "measure_latency", "weighted_layers"]
@@ -72,13 +73,20 @@ def keep_faster(
     measure: Measure,
     *,
     margin: float = 0.05,
-) -> GraphModule:
+    float_model: torch.nn.Module | None = None,
+) -> torch.nn.Module:
     """The fastest model ``build`` gives, over which of ``candidates`` are kept float.
 
     ``build(kept_float)`` returns the converted model with those modules' QConfigs
     set to None. Greedy: each candidate in order is kept float if that makes the
     model faster by more than ``margin``; then every candidate float is tried too.
     The result's explain names each layer kept float with both timings.
+
+    When that leaves nothing quantized, ``float_model`` (the user's model) is
+    measured too: a converted graph of float modules pays a few microseconds a
+    call for its graph and fused modules, which shows on a model that runs in tens
+    of them. If the user's model is faster, a copy of it is returned, carrying the
+    explain report that says why each layer is float.
     """
     kept: frozenset[str] = frozenset()
     best = build(kept)
@@ -97,4 +105,16 @@ def keep_faster(
         if seconds < best_seconds * (1 - margin):
             choices = {name: LatencyChoice(name, best_seconds, seconds) for name in candidates}
             best, best_seconds = all_float, seconds
-    return mark_kept_float(best, {name: choice.reason() for name, choice in choices.items()})
+    chosen = mark_kept_float(best, {name: choice.reason() for name, choice in choices.items()})
+    if float_model is None or not choices or _quantizes_anything(chosen):
+        return chosen
+    own = copy.deepcopy(float_model)
+    if measure(own) < best_seconds * (1 - margin):
+        attach_report(own, report_of(chosen))
+        return own
+    return chosen
+
+
+def _quantizes_anything(model: torch.nn.Module) -> bool:
+    report = report_of(model)
+    return report is None or bool(report.quantized or report.reference)

@@ -131,3 +131,46 @@ def test_quantize_takes_the_option_and_checks_it():
         assert entry.status is Status.QUANTIZED or "keep_float_if_slower" in entry.reason
     x = data[0][0]
     assert torch.isfinite(chosen(x)).all()
+
+
+def _all_float_wins(model: torch.nn.Module) -> float:
+    """int8 loses everywhere; the user's own module beats a graph of float modules."""
+    if not isinstance(model, torch.fx.GraphModule):
+        return 10.0
+    report = qcore.explain(model)
+    return 100.0 if report.quantized or report.reference else 20.0
+
+
+def test_when_nothing_stays_int8_the_faster_float_model_is_returned():
+    backend, model = _backend(), Chain().eval()
+    data = [(torch.randn(16, 8),) for _ in range(2)]
+    build = _build(model, backend, data)
+    names = latency.weighted_layers(build(frozenset()))
+    chosen = latency.keep_faster(build, names, _all_float_wins, float_model=model)
+    assert type(chosen) is Chain and chosen is not model  # a copy of the user's own
+    assert chosen.small.weight is not model.small.weight
+    x = data[0][0]
+    torch.testing.assert_close(chosen(x), model(x), rtol=0, atol=0)
+    report = qcore.explain(chosen)
+    assert report.backend == backend
+    for name in names:
+        assert report[name].status is Status.FLOAT
+        assert "keep_float_if_slower" in report[name].reason
+
+
+def test_the_float_model_is_only_returned_when_it_measures_faster():
+    backend, model = _backend(), Chain().eval()
+    data = [(torch.randn(16, 8),) for _ in range(2)]
+    build = _build(model, backend, data)
+    names = latency.weighted_layers(build(frozenset()))
+
+    def graph_as_fast(candidate: torch.nn.Module) -> float:
+        return (
+            20.0
+            if not isinstance(candidate, torch.fx.GraphModule)
+            else (_all_float_wins(candidate))
+        )
+
+    chosen = latency.keep_faster(build, names, graph_as_fast, float_model=model)
+    assert isinstance(chosen, torch.fx.GraphModule)  # within the margin: the converted one
+    assert all(qcore.explain(chosen)[name].status is Status.FLOAT for name in names)

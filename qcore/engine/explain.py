@@ -230,9 +230,11 @@ def op_name(node: Any, modules: dict[str, torch.nn.Module]) -> str:
     return node.op
 
 
-def attach_report(gm: torch.fx.GraphModule, report: Report) -> Report:
-    """Record ``report`` as what :func:`qcore.explain` returns for ``gm``."""
-    gm.meta[_REPORT_KEY] = report
+def attach_report(gm: torch.nn.Module, report: Report) -> Report:
+    """Record ``report`` as what :func:`qcore.explain` returns for ``gm`` (a
+    GraphModule, or the user's own module that ``keep_float_if_slower`` returned)."""
+    if isinstance(getattr(gm, "meta", None), dict):
+        gm.meta[_REPORT_KEY] = report
     setattr(gm, _REPORT_ATTRIBUTE, report)
     return report
 
