@@ -135,6 +135,8 @@ def measure(name: str, backend: str) -> dict:
                     if e.reason.startswith("kept float (keep_float_if_slower")
                 ]
                 row[f"kept_{batch}"] = len(kept)
+                # nothing paid in int8: quantize returned a copy of the float model
+                row[f"own_{batch}"] = not isinstance(faster, torch.fx.GraphModule)
     row["size_float"], row["size_qcore"] = size_kb(model), size_kb(ours)
     row["size_ao"] = size_kb(baseline.model) if baseline.ok else float("nan")
     report = qcore.explain(ours)
@@ -162,18 +164,21 @@ def targets(rows: list[dict]) -> list[str]:
         for r, b in conv
         if r[f"float_{b}"] < 2 * r[f"qcore_{b}"]
     ]
+    x86_fbgemm = [(r, b) for r, b in cells if r["backend"] in ("x86", "fbgemm")]
+    # the user's own float model timed against itself: a tie, whatever the timing says
+    own = [(r, b) for r, b in x86_fbgemm if r.get(f"own_{b}")]
     slower_than_float = [
         f"{r['backend']} {r['model']} b{b} ({recommended_speedup(r, b):.2f})"
-        for r, b in cells
-        if r["backend"] in ("x86", "fbgemm") and recommended_speedup(r, b) < 1 - noise(r, b)
+        for r, b in x86_fbgemm
+        if (r, b) not in own and recommended_speedup(r, b) < 1 - noise(r, b)
     ]
-    x86_fbgemm = [(r, b) for r, b in cells if r["backend"] in ("x86", "fbgemm")]
     return [
         "## Targets",
         "",
         f"- x86 and fbgemm, int8 as qcore recommends (`rec`: its kernels, or "
         "`keep_float_if_slower=True` where they measured slower than float) at least "
         f"float's speed: {len(x86_fbgemm) - len(slower_than_float)} of {len(x86_fbgemm)} rows"
+        + (f" ({len(own)} of them the user's float model itself, where no int8 layer paid)")
         + (f"; below: {', '.join(slower_than_float)}" if slower_than_float else ""),
         f"- qcore at most torch.ao's latency: {len(cells) - len(slower)} of {len(cells)} rows"
         + (f"; slower: {', '.join(slower)}" if slower else ""),
@@ -191,6 +196,8 @@ def recommended_speedup(row: dict, batch: int) -> float:
 def recommended_cell(row: dict, batch: int) -> str:
     if f"kept_{batch}" not in row:
         return f"{recommended_speedup(row, batch):.2f}"
+    if row.get(f"own_{batch}"):
+        return f"{recommended_speedup(row, batch):.2f} (all: float model)"
     return f"{recommended_speedup(row, batch):.2f} ({row[f'kept_{batch}']})"
 
 
@@ -212,7 +219,8 @@ def render(rows: list[dict], threads: int) -> str:
         "`f/rec`: float's latency over qcore's as it recommends running the model: its "
         "kernels, or where those measured slower than float, "
         "`qcore.quantize(keep_float_if_slower=True)` (timed against float in the same "
-        "rounds; in brackets, the layers it kept float). "
+        "rounds; in brackets, the layers it kept float; `all: float model` where no int8 "
+        "layer paid and it returned the user's own float model, a tie with float). "
         "`ops`: operators on qcore kernels / operators. `noise`: how far two timings of "
         "the same qcore model differ in that row (a ratio that close to 1 is a tie). "
         "Same engine and QConfigMapping for "
