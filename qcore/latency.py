@@ -46,7 +46,7 @@ class LatencyChoice:
         )
 
 
-def measure_latency(example_inputs: tuple, *, runs: int = 5, min_seconds: float = 0.02) -> Measure:
+def measure_latency(example_inputs: tuple, *, runs: int = 3, min_seconds: float = 0.01) -> Measure:
     """A timer: best of ``runs`` runs, each at least ``min_seconds`` of calls."""
 
     def measure(model: torch.nn.Module) -> float:
