@@ -155,11 +155,14 @@ def _reference_form(model: GraphModule, path: str) -> GraphModule:
     dequantize ops (the FX form's reference modules are rewritten into that)."""
     import qcore
     from qcore.engine.decomposed import weights_in_graph
+    from qcore.pt2e.qdq import duplicate_dequantize
 
     if path == "pt2e":
         return qcore.convert_pt2e(model, lower=False)
     reference = qcore.convert_to_reference_fx(model)
     weights_in_graph(reference)
+    # as PT2E's reference form (and torchao's) has it; FX nodes carry no annotations
+    duplicate_dequantize(reference, annotated_users_only=False)
     return reference
 
 

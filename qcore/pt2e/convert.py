@@ -34,7 +34,7 @@ from qcore.pt2e.prepare import (
     control_flow_subgraphs,
     quiet_deepcopy,
 )
-from qcore.pt2e.qdq import fold_quantized_constants, replace_observer
+from qcore.pt2e.qdq import duplicate_dequantize, fold_quantized_constants, replace_observer
 from qcore.pt2e.reference import to_reference_modules
 
 __all__ = ["convert_pt2e"]
@@ -148,6 +148,8 @@ def _convert_graph(gm: GraphModule, state: Pt2eState, *, decomposed: bool, fold:
             _replace_observer(gm, node, observer, full_range=state.full_range)
     if decomposed and fold:
         fold_quantized_constants(gm)
+    if decomposed:
+        duplicate_dequantize(gm)
     for name in control_flow_subgraphs(gm):
         sub = gm.get_submodule(name)
         sub_state = sub.meta.get(PT2E_STATE_KEY) if isinstance(sub, GraphModule) else None

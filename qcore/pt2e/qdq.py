@@ -36,7 +36,13 @@ from qcore import ops
 from qcore.engine.backend_annotator import is_quantized_dtype
 from qcore.engine.observe import DerivedObserver
 
-__all__ = ["QUANTIZE_OPS", "fold_quantized_constants", "replace_observer"]
+__all__ = [
+    "DEQUANTIZE_OPS",
+    "QUANTIZE_OPS",
+    "duplicate_dequantize",
+    "fold_quantized_constants",
+    "replace_observer",
+]
 
 qd = torch.ops.quantized_decomposed
 
@@ -300,3 +306,62 @@ def fold_quantized_constants(gm: GraphModule) -> int:
     if folded:
         gm.graph.eliminate_dead_code()
     return folded
+
+
+DEQUANTIZE_OPS = (
+    qd.dequantize_per_tensor.default,
+    qd.dequantize_per_tensor.tensor,
+    qd.dequantize_per_channel.default,
+)
+
+
+def duplicate_dequantize(gm: GraphModule, *, annotated_users_only: bool = True) -> int:
+    """Give users of a shared dequantize their own copy, as torchao's convert_pt2e
+    does (its DuplicateDQPass): each user carrying a quantization annotation (with
+    ``annotated_users_only=False``, an FX graph, which has none: each user but the
+    graph's output), shape queries aside; a dynamic quantization's dequantize
+    stays shared. Inductor's int8 passes match ``dequantize -> op`` per op. The
+    values are unchanged. Returns how many copies were made."""
+    made = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in DEQUANTIZE_OPS:
+            continue
+        users = [u for u in node.users if u.op != "output" and not _is_shape_query(u)]
+        if len(users) <= 1 or _dynamic_quantization(node):
+            continue
+        for user in users:
+            if annotated_users_only and not _annotated(user):
+                continue
+            with gm.graph.inserting_after(node):
+                copy = gm.graph.node_copy(node)
+            user.replace_input_with(node, copy)
+            made += 1
+    if made:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return made
+
+
+def _annotated(node: Node) -> bool:
+    annotation = node.meta.get("quantization_annotation")
+    return annotation is not None and bool(
+        annotation.input_qspec_map or annotation.output_qspec is not None
+    )
+
+
+def _is_shape_query(node: Node) -> bool:
+    return node.op == "call_function" and node.target == torch.ops.aten.sym_size.int
+
+
+def _dynamic_quantization(dequantize: Node) -> bool:
+    """``choose_qparams -> getitem -> quantize -> dequantize``: torchao keeps it shared."""
+    quantize = dequantize.args[0]
+    if not (isinstance(quantize, Node) and quantize.target in QUANTIZE_OPS):
+        return False
+    scale = quantize.args[1] if len(quantize.args) > 1 else None
+    return (
+        isinstance(scale, Node)
+        and scale.target == operator.getitem
+        and isinstance(scale.args[0], Node)
+        and scale.args[0].target in (qd.choose_qparams.tensor, qd.choose_qparams_symmetric.tensor)
+    )
