@@ -25,7 +25,6 @@ from qcore.kernels.common import (
     same_as_input,
 )
 from qcore.kernels.layout import back_from_memory_order, in_memory_order
-from qcore.kernels.runtime import ENGINE_STEADY, global_engine_is_qnnpack
 from qcore.ops import storage_dtype
 from qcore.plugin.kernels import ActivationQParams, KernelMatch, SameOp
 
@@ -59,13 +58,12 @@ class QuantizedClamp(torch.nn.Module):
     torch applies to the int8 values in the input's qparams (exact), then a
     requantization where the output's qparams differ from the input's.
 
-    torch 2.13's qnnpack clamp (what hardtanh, relu6 and clamp run while the global
-    quantized engine is qnnpack) reads a channels-last input as if it were
-    contiguous and scrambles it, and every int8 conv returns channels-last. Under
-    qnnpack (and in TorchScript, which cannot ask) the clamp runs on the input's
-    memory in its own order (a contiguous view: no copy), where it is exact; under
-    the other engines torch's clamp is exact as it is. The output does not depend
-    on the global engine.
+    The clamp runs on the input's memory in its own order (a contiguous view: no
+    copy), on every engine. torch 2.13's qnnpack clamp (what hardtanh, relu6 and
+    clamp run while the global quantized engine is qnnpack) reads a channels-last
+    input as if it were contiguous and scrambles it, and every int8 conv returns
+    channels-last; on a contiguous view both torch's clamps are exact, so the output
+    does not depend on which one the global engine picks.
     """
 
     returns_quantized = True
@@ -102,25 +100,14 @@ class QuantizedClamp(torch.nn.Module):
         min_val: Any = None,
         max_val: Any = None,
     ) -> torch.Tensor:
-        if not torch.jit.is_scripting():  # (TorchScript compiles nothing under this)
-            # packing_for sets the global under this lock: it cannot change between
-            # the check and the clamp that reads it again
-            with ENGINE_STEADY:
-                if not global_engine_is_qnnpack():
-                    # fbgemm's, x86's and onednn's clamp read any layout right: 1.7 us
-                    # against 5.6 for the views below (1x32x16x16), after most convs
-                    return self._requantized(torch.clamp(x, self.low, self.high))
         if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
             # every int8 conv's output: its NHWC view is contiguous (the common case,
             # without the generic helpers' calls: this runs after most convs)
             nhwc = torch.clamp(x.permute(0, 2, 3, 1), self.low, self.high)
-            return self._requantized(nhwc.permute(0, 3, 1, 2))
-        view, back = in_memory_order(x)
-        return self._requantized(
-            back_from_memory_order(torch.clamp(view, self.low, self.high), back)
-        )
-
-    def _requantized(self, clamped: torch.Tensor) -> torch.Tensor:
+            clamped = nhwc.permute(0, 3, 1, 2)
+        else:
+            view, back = in_memory_order(x)
+            clamped = back_from_memory_order(torch.clamp(view, self.low, self.high), back)
         if not self.requantize:
             return clamped
         return torch.quantize_per_tensor(

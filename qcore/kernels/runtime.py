@@ -26,9 +26,7 @@ from collections.abc import Iterator
 import torch
 
 __all__ = [
-    "ENGINE_STEADY",
     "TORCH_QUANTIZED_DTYPE",
-    "global_engine_is_qnnpack",
     "int8_products_saturate",
     "packing_for",
     "pair_sums_may_saturate",
@@ -58,18 +56,6 @@ EXACT_ENGINE = "qnnpack"
 on x86: a kernel whose sums could saturate elsewhere is packed for it instead."""
 
 _INT16_MAX = 32767
-
-# Some of torch's int8 elementwise ops pick their implementation by the global
-# engine on every call, and qnnpack's differ (its clamp misreads channels-last
-# input). Kernels read the global only to route around that, so that their output
-# is the same under every engine: through the enum (0.05 us a call; the public
-# ``torch.backends.quantized.engine`` string costs 0.4 us, on ops of 2 us).
-_QNNPACK_ENGINE_ID = torch.backends.quantized._get_qengine_id("qnnpack")
-
-
-def global_engine_is_qnnpack() -> bool:
-    """Whether torch's int8 ops would run qnnpack's implementations now."""
-    return torch._C._get_qengine() == _QNNPACK_ENGINE_ID
 
 
 @functools.cache
@@ -131,13 +117,9 @@ def quiet_quantized_tensors() -> None:
 # interleave: one packs for the other's engine, and the last to restore leaves the
 # user's setting changed. One lock for every set-pack-restore in qcore. Re-entrant: a
 # kernel packed inside ``using_engine`` (the conformance suite, tests) packs in the
-# same thread. A kernel reads the global while a model runs only to route around
-# qnnpack's clamp, under this lock, so the moment the global holds a kernel's engine
-# changes no output of any other qcore model.
+# same thread. No kernel reads the global while a model runs, so the moment the global
+# holds a kernel's engine changes no output of any other qcore model.
 _ENGINE_LOCK = threading.RLock()
-#: Held, qcore's packing cannot change the global engine (a kernel that reads it
-#: holds this from its check to the op that reads it again).
-ENGINE_STEADY = _ENGINE_LOCK
 
 
 def _check_engine(engine: str) -> None:

@@ -1,8 +1,9 @@
-"""QuantizedClamp (relu6, hardtanh, clamp) runs ``torch.clamp`` as it is under
-fbgemm, x86 and onednn, and on a contiguous view under qnnpack, whose clamp
-misreads channels-last input: the same values under every engine, eager and
-scripted. Found measuring mobilenetv2_like at batch 1 against torch.ao (issue 15):
-the views cost 4 us a call, after most of its convs.
+"""QuantizedClamp (relu6, hardtanh, clamp) gives the reference's values under every
+global engine, eager and scripted, on contiguous and channels-last inputs, and
+keeps the input's layout: it clamps a contiguous view of the input's memory,
+because qnnpack's clamp misreads channels-last input. (A faster path that read
+the global engine at run time was tried and withdrawn: it needed a process-wide
+lock on every call, and no kernel reads the global while a model runs.)
 """
 
 from __future__ import annotations
