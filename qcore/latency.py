@@ -90,22 +90,21 @@ def keep_faster(
     each layer is float.
     """
     kept: frozenset[str] = frozenset()
-    best = build(kept)
-    best_seconds = measure(best)
+    best = build(kept)  # measured anew beside each trial (_side_by_side)
     choices: dict[str, LatencyChoice] = {}
     for name in candidates:
         trial = build(kept | {name})
         seconds, best_seconds = _side_by_side(measure, trial, best)
         if seconds < best_seconds * (1 - margin):
             choices[name] = LatencyChoice(name, best_seconds, seconds)
-            kept, best, best_seconds = kept | {name}, trial, seconds
+            kept, best = kept | {name}, trial
     remaining = [name for name in candidates if name not in kept]
     if remaining:
         all_float = build(frozenset(candidates))
         seconds, best_seconds = _side_by_side(measure, all_float, best)
         if seconds < best_seconds * (1 - margin):
             choices = {name: LatencyChoice(name, best_seconds, seconds) for name in candidates}
-            best, best_seconds = all_float, seconds
+            best = all_float
     chosen = mark_kept_float(best, {name: choice.reason() for name, choice in choices.items()})
     if float_model is None or not choices or _quantizes_anything(chosen):
         return chosen

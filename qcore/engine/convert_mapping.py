@@ -1,10 +1,11 @@
-"""convert's ``qconfig_mapping``, on qcore's own prepared state (no torch.ao flow).
+"""convert's ``qconfig_mapping``: ops whose QConfig it sets to None stay float.
 
-``qcore.convert_fx(prepared, qconfig_mapping=...)`` takes the argument as torch.ao
-documents it: the prepare mapping again, where any QConfig may be None: those
-ops stay float (a QAT
+``qcore.convert_fx(prepared, qconfig_mapping=...)`` accepts the argument a user
+porting from torch.ao passes: the prepare mapping again, where any QConfig may
+be None. This module applies it to qcore's own prepared state (its accepted
+patterns and observers; nothing of torch.ao runs): those ops stay float (a QAT
 module returns to its float class), and an observer between ops that are all
-float then goes. Any other change is an error naming the op, as in torch.ao.
+float then goes. Any other change is an error naming the op.
 """
 
 from __future__ import annotations

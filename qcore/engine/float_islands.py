@@ -108,7 +108,7 @@ def float_islands(
     is float (the default roots). A node is fed by float when each input it
     quantizes comes from a root or from another fed-by-float node. Such a node is
     kept int8 only when a node outside the island reads it with a quantization
-    spec (a conv taking int8, an ``output_quantized_idxs`` output).
+    spec or reuses its qparams (a conv taking int8).
     """
     any_float_op = _ANY_FLOAT_OP_IS_A_ROOT.get()
 
