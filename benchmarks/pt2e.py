@@ -11,9 +11,12 @@ The machine (CPU model from /proc/cpuinfo, cores, torch) heads the table.
 ``--inductor`` adds the peer as torchao means it to run: its converted model
 through ``torch.compile`` (inductor, weights frozen), timed after compilation;
 the compile time is printed beside it (best of ``--repeat`` compiles from
-scratch). A last column is ``qcore.compile`` (the x86 backend's recipe: its
+scratch). A further column is ``qcore.compile`` (the x86 backend's recipe: its
 reference form through Inductor with frozen weights) against it, with the
-compile-time ratio.
+compile-time ratio; the compiled models are timed interleaved, 15 rounds of 100
+calls each. ``--mode reduce-overhead`` compiles qcore's side in that mode (x86:
+Inductor's C++ wrapper too) and adds a last column: torchao compiled with the
+same options, what the options alone are worth.
 """
 
 from __future__ import annotations
@@ -85,47 +88,66 @@ def latency(model, batch, runs: int = 20) -> float:
     return (time.perf_counter() - start) / runs
 
 
-def inductor_latency(entry, flow, repeat: int) -> tuple[float, float]:
-    """(best compile s, best latency s) of a flow's converted model under torch.compile,
-    compiled ``repeat`` times from scratch (the first compile in a process also warms
-    Inductor's caches). torchao's recipe: freezing on, as its tutorial sets it."""
+def _prepared_pair(entry, quantizer):
+    """(torchao's converted model, qcore's calibrated prepared model) of one entry."""
+    their_quantizer, their_prepare, their_convert = torchao_flow()
+    model = entry.make_model()
+    batch = entry.calibration_data(1)[0]
+    theirs = their_prepare(torch.export.export(model, batch).module(), their_quantizer())
+    ours = qcore.prepare_pt2e(torch.export.export(model, batch).module(), quantizer())
+    with torch.no_grad():
+        for inputs in entry.calibration_data(4):
+            theirs(*inputs)
+            ours(*inputs)
+    return their_convert(theirs), ours, batch
+
+
+def _interleaved_latency(models: dict, batch, rounds: int = 15, calls: int = 100) -> dict:
+    """Best seconds per call of each model, timed in turn ``rounds`` times, so that
+    a spike of machine load hits all of them alike."""
+    best = dict.fromkeys(models, float("inf"))
+    with torch.no_grad():
+        for _ in range(rounds):
+            for key, model in models.items():
+                start = time.perf_counter()
+                for _ in range(calls):
+                    model(*batch)
+                best[key] = min(best[key], (time.perf_counter() - start) / calls)
+    return best
+
+
+def compiled_side_by_side(entry, quantizer, repeat: int, mode: str = "default") -> dict:
+    """Compile time (best of ``repeat`` compiles from scratch) and latency (timed
+    interleaved after the last compile) of ``qcore.compile(prepared, mode=mode)``
+    ("qcore") and torchao's converted model under ``torch.compile`` with freezing,
+    as its tutorial runs it ("torchao"). With a mode other than "default", also
+    torchao compiled with the options qcore's recipe adds ("torchao+same options"):
+    what those options are worth to either side. Returns {side: (compile s, latency s)}."""
+    import copy
+
     import torch._inductor.config as inductor_config
 
-    quantizer, prepare, convert = flow
-    model = entry.make_model()
-    batch = entry.calibration_data(1)[0]
-    prepared = prepare(torch.export.export(model, batch).module(), quantizer())
-    with torch.no_grad():
-        for inputs in entry.calibration_data(4):
-            prepared(*inputs)
-    converted = convert(prepared)
-    best_compile, best_latency = float("inf"), float("inf")
+    converted, prepared, batch = _prepared_pair(entry, quantizer)
+    recipe = qcore.get_backend("x86").compile_recipe(mode)
+    sides = {"qcore": None, "torchao": {"freezing": True}}
+    if mode != "default":
+        sides["torchao+same options"] = dict(recipe.options)
+    compile_s = dict.fromkeys(sides, float("inf"))
     for _ in range(repeat):
         torch._dynamo.reset()
-        with inductor_config.patch(freezing=True), torch.no_grad():
-            compiled = torch.compile(converted)
-            _, compile_s = timed(compiled, *batch)
-            best_latency = min(best_latency, latency(compiled, batch))
-        best_compile = min(best_compile, compile_s)
-    return best_compile, best_latency
-
-
-def qcore_compile_latency(entry, quantizer, repeat: int) -> tuple[float, float]:
-    """(best compile s, best latency s) of ``qcore.compile`` (the backend's recipe)."""
-    model = entry.make_model()
-    batch = entry.calibration_data(1)[0]
-    prepared = qcore.prepare_pt2e(torch.export.export(model, batch).module(), quantizer())
-    with torch.no_grad():
-        for inputs in entry.calibration_data(4):
-            prepared(*inputs)
-    best_compile, best_latency = float("inf"), float("inf")
-    for _ in range(repeat):
-        torch._dynamo.reset()
-        compiled = qcore.compile(prepared)
-        _, compile_s = timed(compiled, *batch)
-        best_compile = min(best_compile, compile_s)
-        best_latency = min(best_latency, latency(compiled, batch))
-    return best_compile, best_latency
+        compiled = {}
+        for side, options in sides.items():
+            if options is None:
+                model = qcore.compile(prepared, mode=mode)
+                _, seconds = timed(model, *batch)
+            else:
+                with inductor_config.patch(**options), torch.no_grad():
+                    model = torch.compile(copy.deepcopy(converted))
+                    _, seconds = timed(model, *batch)
+            compiled[side] = model
+            compile_s[side] = min(compile_s[side], seconds)
+    latency_s = _interleaved_latency(compiled, batch)
+    return {side: (compile_s[side], latency_s[side]) for side in sides}
 
 
 def one_run(entry, flow):
@@ -158,6 +180,13 @@ def main() -> None:
         action="store_true",
         help="also time torchao's converted model under torch.compile (inductor)",
     )
+    parser.add_argument(
+        "--mode",
+        choices=qcore.COMPILE_MODES,
+        default="default",
+        help="qcore.compile's mode (with --inductor); another than default adds a "
+        "column: torchao compiled with the options that mode adds",
+    )
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     quantizer = qcore_quantizer if args.quantizer == "compiled" else lambda: "x86"
@@ -167,6 +196,8 @@ def main() -> None:
     header = ("model", "prepare qcore/ao", "convert qcore/ao", "latency qcore/ao")
     if args.inductor:
         header += ("latency qcore/ao+inductor (compile)", "qcore.compile/ao+inductor (compile)")
+        if args.mode != "default":
+            header += ("qcore.compile/ao+same options",)
     print(f"{header[0]:<18} " + " ".join(f"{h:>26}" for h in header[1:]))
     for name in args.models:
         best_ours = [float("inf")] * 3
@@ -183,8 +214,9 @@ def main() -> None:
             for o, t in zip(best_ours, best_theirs, strict=True)
         ]
         if args.inductor:
-            compile_s, compiled = inductor_latency(ZOO[name], theirs, args.repeat)
-            ours_compile_s, ours_compiled = qcore_compile_latency(ZOO[name], quantizer, args.repeat)
+            result = compiled_side_by_side(ZOO[name], quantizer, args.repeat, args.mode)
+            compile_s, compiled = result["torchao"]
+            ours_compile_s, ours_compiled = result["qcore"]
             cells.append(
                 f"{best_ours[2] * 1e3:8.1f}/{compiled * 1e3:8.1f}ms "
                 f"{best_ours[2] / compiled:5.2f}x ({compile_s:.0f}s)"
@@ -194,6 +226,12 @@ def main() -> None:
                 f"{ours_compiled / compiled:5.2f}x ({ours_compile_s:.0f}/{compile_s:.0f}s "
                 f"{ours_compile_s / compile_s:.2f}x)"
             )
+            if "torchao+same options" in result:
+                same_compile_s, same = result["torchao+same options"]
+                cells.append(
+                    f"{ours_compiled * 1e3:8.1f}/{same * 1e3:8.1f}ms {ours_compiled / same:5.2f}x "
+                    f"({ours_compile_s:.0f}/{same_compile_s:.0f}s)"
+                )
         print(f"{name:<18} " + " ".join(f"{c:>26}" for c in cells))
 
 

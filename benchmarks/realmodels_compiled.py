@@ -7,9 +7,11 @@ transformers' ResNet and BERT, built from small configs with random weights
 exported, quantized with the x86 backend's own Quantizer on qcore's side and
 torchao's X86InductorQuantizer (default config) on the other, each compiled as its
 project recommends: ``qcore.compile`` (the x86 recipe: Inductor, frozen weights)
-and ``torch.compile`` with Inductor's freezing on. Latency (best of ``--repeat``
-compiles, each timed after compiling), compile time, and SQNR of the compiled
-model against float on held-out batches. Same process, the two sides in turn.
+and ``torch.compile`` with Inductor's freezing on. Compile time (best of
+``--repeat`` compiles from scratch), latency (timed interleaved after the last
+compile), and SQNR of the compiled model against float on held-out batches.
+``--mode reduce-overhead`` compiles qcore's side in that mode and adds torchao
+compiled with the same options.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from pt2e import inductor_latency, machine, qcore_compile_latency, torchao_flow  # noqa: E402
+from pt2e import compiled_side_by_side, machine, torchao_flow  # noqa: E402
 from realmodels.models import build  # noqa: E402
 
 import qcore  # noqa: E402
@@ -45,7 +47,7 @@ class CaseEntry:
         return (self.case.calibration * count)[:count]
 
 
-def compiled_sqnr(entry: CaseEntry, side: str) -> float:
+def compiled_sqnr(entry: CaseEntry, side: str, mode: str = "default") -> float:
     """SQNR against float of the compiled model on the held-out batches."""
     import torch._inductor.config as inductor_config
 
@@ -55,7 +57,7 @@ def compiled_sqnr(entry: CaseEntry, side: str) -> float:
         prepared = qcore.prepare_pt2e(exported, "x86")
         for batch in case.calibration:
             prepared(*batch)
-        compiled = qcore.compile(prepared)
+        compiled = qcore.compile(prepared, mode=mode)
     else:
         quantizer, prepare, convert = torchao_flow()
         prepared = prepare(exported, quantizer())
@@ -73,25 +75,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=["resnet", "bert"])
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--mode", choices=qcore.COMPILE_MODES, default="default")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
-    print(f"machine: {machine()}")
+    print(f"machine: {machine()}; qcore.compile mode: {args.mode}")
+    same = args.mode != "default"
     print(
         "| model | qcore.compile ms | torchao+inductor ms | latency ratio | compile s "
         "(qcore/torchao) | SQNR dB (qcore/torchao) |"
+        + (" torchao, same options: ms, ratio, compile s |" if same else "")
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|" + ("---|" if same else ""))
     for name in args.models:
         entry = CaseEntry(name)
-        ours_compile, ours = qcore_compile_latency(entry, lambda: "x86", args.repeat)
-        theirs_compile, theirs = inductor_latency(entry, torchao_flow(), args.repeat)
-        ours_sqnr, theirs_sqnr = compiled_sqnr(entry, "qcore"), compiled_sqnr(entry, "torchao")
-        print(
+        result = compiled_side_by_side(entry, lambda: "x86", args.repeat, args.mode)
+        ours_compile, ours = result["qcore"]
+        theirs_compile, theirs = result["torchao"]
+        ours_sqnr = compiled_sqnr(entry, "qcore", args.mode)
+        theirs_sqnr = compiled_sqnr(entry, "torchao")
+        row = (
             f"| {name} | {ours * 1e3:.2f} | {theirs * 1e3:.2f} | {ours / theirs:.2f}x "
             f"| {ours_compile:.1f} / {theirs_compile:.1f} ({ours_compile / theirs_compile:.2f}x) "
-            f"| {ours_sqnr:.1f} / {theirs_sqnr:.1f} |",
-            flush=True,
+            f"| {ours_sqnr:.1f} / {theirs_sqnr:.1f} |"
         )
+        if same:
+            same_compile, same_latency = result["torchao+same options"]
+            row += f" {same_latency * 1e3:.2f}, {ours / same_latency:.2f}x, {same_compile:.1f} |"
+        print(row, flush=True)
 
 
 if __name__ == "__main__":

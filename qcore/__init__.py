@@ -37,6 +37,7 @@ from qcore.config import (
 )
 from qcore.config.errors import QCoreWarning
 from qcore.plugin import (
+    COMPILE_MODES,
     PLUGIN_API_VERSION,
     AlgorithmStep,
     Backend,
@@ -129,6 +130,7 @@ __all__ = [
     "DTypeWithConstraints",
     "DuplicatePatternError",
     "ObservationType",
+    "COMPILE_MODES",
     "PLUGIN_API_VERSION",
     "AlgorithmStep",
     "Backend",

@@ -31,6 +31,7 @@ from torch.fx import GraphModule
 from qcore.config.errors import describe
 from qcore.engine.explain import _REPORT_ATTRIBUTE, report_of
 from qcore.plugin import CompileRecipe, UnknownBackendError, get_backend
+from qcore.plugin.recipes import check_compile_mode
 
 __all__ = ["CompiledModel", "compile"]
 
@@ -166,20 +167,26 @@ def _reference_form(model: GraphModule, path: str) -> GraphModule:
     return reference
 
 
-def _backend_recipe(backend_name: str) -> CompileRecipe | None:
+def _backend_recipe(backend_name: str, mode: str) -> CompileRecipe | None:
     try:
         backend = get_backend(backend_name)
     except UnknownBackendError:  # a BackendConfig of a name no plugin serves
         return None
-    return backend.compile_recipe()
+    return backend.compile_recipe(mode)
 
 
-def compile(model: GraphModule, *, recipe: CompileRecipe | None = None) -> torch.nn.Module:  # noqa: A001
+def compile(  # noqa: A001
+    model: GraphModule, *, mode: str = "default", recipe: CompileRecipe | None = None
+) -> torch.nn.Module:
     """Convert a calibrated prepared model and run it as its backend runs fastest.
 
     ``model`` comes from ``prepare_fx``/``prepare_pt2e`` (or their QAT forms),
     after calibration or training; it is not changed. The backend's plugins are asked
-    for a :class:`qcore.CompileRecipe` (``recipe=`` overrides them). With one, the
+    for a :class:`qcore.CompileRecipe` for ``mode`` (``recipe=`` overrides them).
+    ``mode`` is named as ``torch.compile``'s: ``"default"`` keeps compile time close
+    to torchao's own recipe; ``"reduce-overhead"`` takes a longer compile for less
+    time per call (x86: Inductor's C++ wrapper, several seconds more to compile,
+    15-30% less latency on small models; benchmarks/PT2E.md). With one, the
     result is a :class:`CompiledModel`: the reference form under ``torch.compile``,
     compiled on its first call for the shapes it gets. Without one (qnnpack,
     fbgemm, native), the result is the model lowered to the backend's eager kernels.
@@ -190,14 +197,21 @@ def compile(model: GraphModule, *, recipe: CompileRecipe | None = None) -> torch
         >>> fast(*example_inputs)
         >>> qcore.explain(fast).backend
         'x86'
+        >>> faster = qcore.compile(prepared, mode="reduce-overhead")  # + C++ wrapper
     """
     import qcore
 
     path, backend_name = _path_and_backend(model)
+    check_compile_mode(mode)
     if recipe is not None and not isinstance(recipe, CompileRecipe):
         raise TypeError(f"recipe: got {describe(recipe)}; expected a qcore.CompileRecipe or None")
+    if recipe is not None and mode != "default":
+        raise ValueError(
+            f"mode: got {mode!r} with recipe={recipe.describe()}; a recipe fixes the "
+            "compiler's options itself: give mode or recipe, not both"
+        )
     if recipe is None:
-        recipe = _backend_recipe(backend_name)
+        recipe = _backend_recipe(backend_name, mode)
     if recipe is None:
         return qcore.convert_fx(model) if path == "fx" else qcore.convert_pt2e(model, lower=True)
     return CompiledModel(_reference_form(model, path), recipe, backend_name)

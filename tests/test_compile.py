@@ -178,12 +178,31 @@ def test_fx_reference_modules_become_int8_weights_with_the_same_numbers(backend)
     assert torch.equal(reference(x), expected)
 
 
-def test_compile_refuses_a_recipe_of_another_type():
+@pytest.mark.parametrize(
+    "arguments, error, words",
+    [
+        (
+            {"recipe": "inductor"},
+            TypeError,
+            r"recipe: got 'inductor' \(str\); expected a qcore.CompileRecipe",
+        ),
+        (
+            {"mode": "max-autotune"},
+            ValueError,
+            r"mode: got 'max-autotune' \(str\); expected one of 'default', 'reduce-overhead'",
+        ),
+        (
+            {"mode": "reduce-overhead", "recipe": qcore.CompileRecipe("eager", summary="mine")},
+            ValueError,
+            r"mode: got 'reduce-overhead' with recipe=mine .*give mode or recipe, not both",
+        ),
+    ],
+)
+def test_compile_names_the_argument_it_refuses(arguments, error, words):
     if not installed("qnnpack"):
         pytest.skip("needs the qnnpack plugin")
-    words = r"recipe: got 'inductor' \(str\); expected a qcore.CompileRecipe"
-    with pytest.raises(TypeError, match=words):
-        qcore.compile(_prepared("pt2e", "qnnpack"), recipe="inductor")
+    with pytest.raises(error, match=words):
+        qcore.compile(_prepared("pt2e", "qnnpack"), **arguments)
 
 
 @pytest.mark.parametrize(
@@ -274,3 +293,43 @@ def test_a_buffer_written_in_place_is_not_folded():
         if n.target is torch.ops.quantized_decomposed.quantize_per_channel.default
     ]
     assert quantize.args[0].target is torch.ops.aten.add_.Tensor
+
+
+@requires_x86
+def test_reduce_overhead_runs_the_same_kernels_from_inductors_cpp_wrapper():
+    """mode="reduce-overhead": x86's recipe adds Inductor's C++ wrapper. The kernels
+    are the default mode's, so are the numbers; no process-wide setting is left."""
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+
+    prepared = _prepared("pt2e", "x86")
+    (x,) = _data(1)[0]
+    torch._dynamo.reset()
+    default = qcore.compile(prepared)(x)
+    counters.clear()
+    fast = qcore.compile(prepared, mode="reduce-overhead")
+    assert fast.recipe.options == {"freezing": True, "cpp_wrapper": True}
+    assert "C++ wrapper" in repr(fast)
+    compiled = fast(x)
+    assert counters["inductor"]["qconv_weight_prepack_matcher_count"] >= 2
+    assert inductor_config.cpp_wrapper is False and inductor_config.freezing is False
+    torch.testing.assert_close(compiled, default, rtol=0, atol=1e-5)
+
+
+def test_a_plugin_is_asked_for_the_users_mode():
+    recipes = {mode: qcore.CompileRecipe("eager", summary=mode) for mode in qcore.COMPILE_MODES}
+    module = plugin_module(
+        "m", [linear()], qcore_compile_recipe=lambda backend, mode: recipes[mode]
+    )
+    backend = registry(spec("m", "qcore-m", module)).get("m")
+    assert backend.compile_recipe() is recipes["default"]
+    assert backend.compile_recipe("reduce-overhead") is recipes["reduce-overhead"]
+    with pytest.raises(ValueError, match=r"mode: got 'fast' \(str\); expected one of"):
+        backend.compile_recipe("fast")
+
+
+def test_a_plugin_with_one_recipe_answers_every_mode():
+    recipe = qcore.CompileRecipe("eager", summary="no compiler")
+    module = plugin_module("m", [linear()], qcore_compile_recipe=lambda backend: recipe)
+    backend = registry(spec("m", "qcore-m", module)).get("m")
+    assert backend.compile_recipe("reduce-overhead") is recipe

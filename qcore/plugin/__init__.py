@@ -10,7 +10,7 @@ from typing import Any
 from qcore.config import BackendConfig
 from qcore.plugin.kernels import Kernel
 from qcore.plugin.markers import PLUGIN_API_VERSION, hookimpl, hookspec
-from qcore.plugin.recipes import AlgorithmStep, CompileRecipe
+from qcore.plugin.recipes import COMPILE_MODES, AlgorithmStep, CompileRecipe
 from qcore.plugin.registry import (
     NATIVE,
     Backend,
@@ -24,6 +24,7 @@ from qcore.plugin.registry import (
 from qcore.plugin.union import Conflict
 
 __all__ = [
+    "COMPILE_MODES",
     "NATIVE",
     "PLUGIN_API_VERSION",
     "AlgorithmStep",

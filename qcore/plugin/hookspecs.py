@@ -89,17 +89,22 @@ def qcore_backend_quantizer(backend: str, is_qat: bool) -> Any | None:
 
 
 @hookspec(firstresult=True)
-def qcore_compile_recipe(backend: str) -> CompileRecipe | None:
+def qcore_compile_recipe(backend: str, mode: str) -> CompileRecipe | None:
     """How ``backend``'s quantized models run fastest compiled, or None.
 
     Called by :func:`qcore.compile` (once per call) for the backend the model was
-    prepared for. Returns a :class:`qcore.CompileRecipe`: the ``torch.compile``
-    backend and options qcore applies to the model's reference form (quantize and
-    dequantize as ``torch.ops.quantized_decomposed`` ops around float ops). None
-    means the backend's eager kernels are its best: ``qcore.compile`` then returns
-    the lowered model, as ``convert_fx``/``convert_pt2e`` do. The first non-None
-    answer wins, the backend's owner asked first. Never called for ``"native"``,
-    whose models run on the eager kernels of the backends it unites.
+    prepared for, with the user's ``mode``: ``"default"`` (compile time matters as
+    well as latency, as ``torch.compile``'s default mode) or ``"reduce-overhead"``
+    (latency first: the per-call overhead removed at a higher compile cost; x86
+    answers with Inductor's C++ wrapper). Returns a :class:`qcore.CompileRecipe`:
+    the ``torch.compile`` backend and options qcore applies to the model's
+    reference form (quantize and dequantize as ``torch.ops.quantized_decomposed``
+    ops around float ops). A backend with one recipe answers every mode with it
+    (and may leave ``mode`` out of its signature). None means the backend's eager
+    kernels are its best: ``qcore.compile`` then returns the lowered model, as
+    ``convert_fx``/``convert_pt2e`` do. The first non-None answer wins, the
+    backend's owner asked first. Never called for ``"native"``, whose models run
+    on the eager kernels of the backends it unites.
     """
 
 

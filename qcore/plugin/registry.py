@@ -191,13 +191,16 @@ class Backend:
             self, "qcore_backend_quantizer", is_qat=is_qat, with_plugin=True
         )
 
-    def compile_recipe(self) -> Any | None:
-        """How its plugins say its models run fastest compiled (a
-        :class:`qcore.CompileRecipe`), or None: its eager kernels are its best.
-        "native" asks no plugin."""
+    def compile_recipe(self, mode: str = "default") -> Any | None:
+        """How its plugins say its models run fastest compiled in ``mode`` (a
+        :class:`qcore.CompileRecipe`; modes as :func:`qcore.compile`'s), or None:
+        its eager kernels are its best. "native" asks no plugin."""
+        from qcore.plugin.recipes import check_compile_mode
+
+        check_compile_mode(mode)
         if self.name == NATIVE or self._registry is None:
             return None
-        return self._registry._first_answer(self, "qcore_compile_recipe")
+        return self._registry._first_answer(self, "qcore_compile_recipe", mode=mode)
 
     def recommended_algorithms(self) -> tuple[Any, ...]:
         """The post-training algorithms its plugins recommend (``qcore.AlgorithmStep``

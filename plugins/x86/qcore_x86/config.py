@@ -109,12 +109,24 @@ def onednn_pattern_configs() -> list[BackendPatternConfig]:
     ]
 
 
-def inductor_recipe():
+def inductor_recipe(mode: str = "default"):
     """Inductor with frozen weights: torch's x86 int8 passes (oneDNN's qconv/qlinear
     with their post-ops, the quantize/dequantize around them fused away) match the
-    reference form's ``quantized_decomposed`` graph, as they match torchao's."""
+    reference form's ``quantized_decomposed`` graph, as they match torchao's.
+
+    ``"reduce-overhead"`` adds Inductor's C++ wrapper: the compiled graph's kernel
+    calls run from C++, not Python. On this project's machine that took 15-30% off
+    the zoo's compiled latency and added 2-7 s to each compile, which Inductor does
+    not cache across processes for these graphs (their packed oneDNN weights cannot
+    be pickled), so it is not the default (benchmarks/PT2E.md)."""
     from qcore import CompileRecipe
 
+    if mode == "reduce-overhead":
+        return CompileRecipe(
+            "inductor",
+            {"freezing": True, "cpp_wrapper": True},
+            summary="Inductor with oneDNN's int8 passes, frozen weights and its C++ wrapper",
+        )
     return CompileRecipe(
         "inductor",
         {"freezing": True},

@@ -107,12 +107,13 @@ def qcore_backend_quantizer(backend, is_qat):
 
 
 @hookimpl
-def qcore_compile_recipe(backend):
-    """Inductor with oneDNN's int8 passes and frozen weights (``config.inductor_recipe``):
-    what ``qcore.compile`` runs x86 models with."""
+def qcore_compile_recipe(backend, mode):
+    """Inductor with oneDNN's int8 passes and frozen weights, plus its C++ wrapper in
+    ``"reduce-overhead"`` mode (``config.inductor_recipe``): what ``qcore.compile``
+    runs x86 models with."""
     if backend != BACKEND:
         return None
-    return config.inductor_recipe()
+    return config.inductor_recipe(mode)
 
 
 @hookimpl
