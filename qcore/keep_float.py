@@ -14,13 +14,14 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch.fx import GraphModule
 
 from qcore.engine.explain import Entry, Status, attach_report, report_of
+from qcore.engine.float_islands import restate_float_inputs
 from qcore.kernels.packed import PackedWeights
 
 __all__ = [
@@ -191,8 +192,14 @@ def mark_kept_float(model: GraphModule, reasons: Mapping[str, str]) -> GraphModu
         for node in model.graph.nodes
         if node.op == "call_module" and node.target in reasons
     )
+    # an op explained by its float input names the input's reason: keep it current
+    restated = restate_float_inputs(
+        [e.node for e in report.entries], {e.node: e.reason for e in report.entries}, by_node
+    )
     entries = [
-        Entry(e.node, e.op, Status.FLOAT, by_node[e.node], e.pattern) if e.node in by_node else e
+        Entry(e.node, e.op, Status.FLOAT, by_node[e.node], e.pattern)
+        if e.node in by_node
+        else replace(e, reason=restated[e.node])
         for e in report.entries
     ]
     marked = copy.copy(report)  # keeps whatever else the report records

@@ -22,8 +22,14 @@ from qcore.config.compat import find_accepting_dtype_config
 from qcore.config.pattern import format_pattern
 from qcore.engine.custom_config import UnsupportedSetting
 from qcore.engine.explain import Entry, Status, op_name
-from qcore.engine.float_islands import FLOAT_ISLAND_REASON, REUSES_FLOAT_REASON, float_islands
-from qcore.engine.match import Match, find_matches, node_op
+from qcore.engine.float_islands import (
+    FLOAT_ISLAND_REASON,
+    REUSES_FLOAT_REASON,
+    float_input_reason,
+    float_islands,
+    fused_only_ops,
+)
+from qcore.engine.match import Match, find_matches, is_match_all, node_op
 from qcore.engine.qconfigs import pattern_qconfig
 from qcore.observers import PlaceholderObserver
 from qcore.ops import storage_dtype
@@ -151,6 +157,11 @@ def annotate_with_backend_config(
     entries: dict[str, Entry] = {}
     spec_cache: dict[int, QuantizationSpec] = {}
     seen: set[int] = set()
+    fused_only = fused_only_ops(
+        (c.pattern_complex_format for c in backend.configs),
+        lambda op: () if is_match_all(op) else (op,),
+    )
+    after_float: list[Node] = []  # such ops with no match: float if what feeds them is
 
     for node in nodes:
         op = op_name(node, modules)
@@ -188,6 +199,8 @@ def annotate_with_backend_config(
             )
             if qconfigs.get(node) is None and node not in fusion_notes:
                 reason = f"no QConfig for {op} in the QConfigMapping"
+            elif node not in fusion_notes and node_op(node, modules) in fused_only:
+                after_float.append(node)
             entries[node.name] = Entry(node.name, op, Status.FLOAT, reason)
             continue
         pattern = match.config.describe_pattern()
@@ -231,7 +244,26 @@ def annotate_with_backend_config(
         decisions = [d for d in decisions if d.match.output not in reasons]
         for node, reason in reasons.items():
             entries[node.name] = replace(entries[node.name], status=Status.FLOAT, reason=reason)
+    _explain_float_inputs(after_float, tensor_nodes, entries)
     return annotations, decisions, entries
+
+
+def _explain_float_inputs(
+    candidates: list[Node], tensor_nodes: set[Node], entries: dict[str, Entry]
+) -> None:
+    """An op the backend quantizes only fused into the op before it (``torch.relu``
+    after an add) has no pattern of its own: when that op runs in float, the reason
+    is its float input, not a missing pattern. ``candidates`` in graph order, so a
+    chain of them names the first float layer's reason."""
+    for node in candidates:
+        inputs = [arg for _, arg in _flat_node_args(node) if arg in tensor_nodes]
+        producer = entries.get(inputs[0].name) if len(inputs) == 1 else None
+        if producer is None or producer.status is not Status.FLOAT:
+            continue
+        if not inputs[0].op.startswith("call"):
+            continue  # a graph input: quantized where it enters, had the op a pattern
+        reason = float_input_reason(producer.node, producer.reason)
+        entries[node.name] = replace(entries[node.name], reason=reason)
 
 
 def _quantizes(annotation: QuantizationAnnotation | None) -> bool:

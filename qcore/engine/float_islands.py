@@ -28,9 +28,10 @@ enter, as torch.ao's does (``x -> max_pool`` alone is quantized).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Any
 
 from torch.fx import Node
 
@@ -44,8 +45,12 @@ __all__ = [
     "FLOAT_ISLAND_REASON",
     "NOTHING_TO_GAIN",
     "REUSES_FLOAT_REASON",
+    "float_input_reason",
     "float_islands",
+    "fused_only_ops",
+    "gains_nothing",
     "islands_from_any_float_op",
+    "restate_float_inputs",
 ]
 
 FLOAT_ISLAND_REASON = (
@@ -57,6 +62,68 @@ REUSES_FLOAT_REASON = (
 )
 #: Reasons for an op with a QConfig to stay float that lose the user nothing.
 NOTHING_TO_GAIN = frozenset({FLOAT_ISLAND_REASON, REUSES_FLOAT_REASON})
+_FLOAT_INPUT = "its input is float: "
+
+
+def float_input_reason(producer: str, producer_reason: str) -> str:
+    """Why an op the backend quantizes only fused into the op before it (``torch.relu``,
+    in ``add -> relu``) runs in float: that op, ``producer``, runs in float.
+
+    Example::
+
+        >>> float_input_reason("fc1", "no QConfig for this pattern in the QConfigMapping")
+        'its input is float: fc1 runs in float (no QConfig for this pattern in the QConfigMapping)'
+    """
+    return f"{_FLOAT_INPUT}{producer} runs in float ({producer_reason})"
+
+
+def gains_nothing(reason: str) -> bool:
+    """Whether an op left float for ``reason`` loses the user nothing: quantizing it
+    would add a quantize for no int8 arithmetic, or it follows a layer kept float
+    (it would have run fused into that layer's int8 kernel, which is not there)."""
+    return reason in NOTHING_TO_GAIN or reason.startswith(_FLOAT_INPUT)
+
+
+def fused_only_ops(patterns: Iterable[Any], ops_of: Callable[[Any], Iterable[Any]]) -> set[Any]:
+    """The ops that ``patterns`` (complex format: ``op`` or ``(op, arg0_pattern, ...)``)
+    quantize only as part of a larger pattern, never alone: ``torch.relu`` in
+    torch.ao's ``(torch.relu, operator.add)``. ``ops_of(item)`` gives the ops a
+    pattern item stands for (none for a match-anything position)."""
+    alone: set[Any] = set()
+    joined: set[Any] = set()
+    for pattern in patterns:
+        if not isinstance(pattern, tuple):
+            alone.update(ops_of(pattern))
+            continue
+        stack = list(pattern)
+        while stack:
+            item = stack.pop()
+            if isinstance(item, tuple):
+                stack.extend(item)
+            else:
+                joined.update(ops_of(item))
+    return joined - alone
+
+
+def restate_float_inputs(
+    names: Sequence[str], reasons: dict[str, str], changed: dict[str, str]
+) -> dict[str, str]:
+    """``reasons`` (node name -> reason, ``names`` in graph order) with each one written
+    by :func:`float_input_reason` updated where its producer's reason was replaced by
+    ``changed`` (a layer the search kept float, first explained as having no QConfig)."""
+    old: dict[str, str] = {}
+    updated = dict(reasons)
+    for name in names:
+        if name in changed:
+            old[name], updated[name] = reasons.get(name, ""), changed[name]
+            continue
+        for producer, before in old.items():
+            if reasons.get(name) == float_input_reason(producer, before):
+                old[name] = reasons[name]
+                updated[name] = float_input_reason(producer, updated[producer])
+                break
+    return updated
+
 
 # Scoped to one call of qcore's own search (a context variable: per thread and
 # task, reset on exit), never set by a user's prepare.

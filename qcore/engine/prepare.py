@@ -25,7 +25,7 @@ from qcore.engine.boundaries import output_values
 from qcore.engine.collector import collector_paused
 from qcore.engine.custom_modules import CustomCall, swap_observed
 from qcore.engine.explain import Entry, Report, Status, attach_report
-from qcore.engine.float_islands import NOTHING_TO_GAIN
+from qcore.engine.float_islands import gains_nothing
 from qcore.engine.fuse import fuse_graph
 from qcore.engine.infer import inferred_tensor_nodes
 from qcore.engine.observe import insert_observers, name_observers_per_call
@@ -281,7 +281,7 @@ def _warn_skipped(report: Report, qconfigs: dict[Node, Any]) -> None:
     """One warning, only for operators the user asked to quantize that stay float."""
     asked = {node.name for node, qconfig in qconfigs.items() if qconfig is not None}
     # an op left float because quantizing it gains nothing is no loss to warn about
-    skipped = [e for e in report.float if e.node in asked and e.reason not in NOTHING_TO_GAIN]
+    skipped = [e for e in report.float if e.node in asked and not gains_nothing(e.reason)]
     if not skipped:
         return
     kinds = sorted({e.op for e in skipped})

@@ -26,6 +26,7 @@ from qcore.config import BackendConfig, BackendPatternConfig, DTypeConfig, Obser
 from qcore.config.compat import find_accepting_dtype_config
 from qcore.config.errors import describe
 from qcore.engine.backend_annotator import is_quantized_dtype
+from qcore.engine.float_islands import float_input_reason, fused_only_ops
 from qcore.pt2e.graph import is_tensor_node
 from qcore.pt2e.patterns import WEIGHTED, aten_ops, aten_pattern, match_aten, packet, pattern_size
 from qcore.quantizer.quantizer import ANNOTATION_KEY, Quantizer
@@ -173,6 +174,10 @@ class BackendQuantizer(Quantizer):
             qconfig_mapping = default(self.backend_name)
         self.qconfig_mapping = qconfig_mapping
         self.rules, self.untranslated = _compile(backend_config)
+        self.fused_only = fused_only_ops(
+            (rule.pattern for rule in self.rules),
+            lambda item: item if isinstance(item, frozenset) else (),
+        )
         self.only_unannotated = only_unannotated
         self.shadowed: list[tuple[Node, str]] = []
         self.rejected: list[tuple[Node, str]] = []
@@ -238,7 +243,27 @@ class BackendQuantizer(Quantizer):
                 if reasons
                 else (f"no pattern in backend {self.backend_name!r} matches {packet(node)}")
             )
+        if not self.only_unannotated:  # else the other quantizer's reasons stand
+            self._explain_float_inputs(model, matched)
         return matched
+
+    def _explain_float_inputs(self, model: GraphModule, matched: dict[Node, tuple]) -> None:
+        """An op quantized only fused into the op before it (a backend with
+        ``linear -> relu`` and no ``relu`` alone) runs in float when that op does:
+        the reason is its float input, whichever of its patterns was tried. In graph
+        order, so a chain of them names the first float layer's reason."""
+        for node in model.graph.nodes:
+            if node in matched or packet(node) not in self.fused_only or _annotated(node):
+                continue
+            if REASON_KEY not in node.meta or _qconfig_for(node, self.qconfig_mapping) is None:
+                continue
+            inputs = [arg for arg in node.all_input_nodes if is_tensor_node(arg)]
+            producer = inputs[0] if len(inputs) == 1 else None
+            if producer is None or producer in matched or _annotated(producer):
+                continue
+            if producer.op == "call_function" and REASON_KEY in producer.meta:
+                reason = float_input_reason(producer.name, producer.meta[REASON_KEY])
+                node.meta[REASON_KEY] = reason
 
     def _decide(self, nodes: list[Node], rule: _Rule) -> tuple[tuple | None, str]:
         root = next((n for n in reversed(nodes) if packet(n) in WEIGHTED), nodes[-1])
