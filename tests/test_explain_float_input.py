@@ -2,10 +2,10 @@
 
 ``torch.relu`` has no pattern of its own in torch.ao's backends (they quantize it
 only fused into an add or a mul); a backend may likewise quantize ``relu`` only
-fused into a linear. After a layer kept float, such an op's float input is why it
-runs in float: explain says so, naming that layer and its reason, and prepare
-does not warn about it (nothing is lost). On an int8 input it keeps the reason
-that it matches no pattern, and the warning.
+fused into a linear; ``F.linear -> F.relu`` is one pattern. After a layer kept
+float, such an op's float input is why it runs in float: explain says so, naming
+that layer and its reason, and prepare does not warn about it (nothing is lost).
+On an int8 input it keeps the reason that it matches no pattern, and the warning.
 """
 
 import warnings
@@ -95,6 +95,41 @@ def test_a_layer_the_search_keeps_float_is_named_with_its_new_reason(backend):
     assert report["fc1"].reason == kept
     assert report["relu"].reason == f"its input is float: fc1 runs in float ({kept})"
     assert report["fc2"].status is Status.QUANTIZED
+
+
+class FunctionalLinear(TorchRelu):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.nn.functional.linear(x, self.fc1.weight, self.fc1.bias)
+        return self.fc2(torch.nn.functional.relu(hidden))
+
+
+class FunctionalLinearModuleRelu(TorchRelu):
+    def __init__(self) -> None:
+        super().__init__()
+        self.relu = torch.nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.relu(torch.nn.functional.linear(x, self.fc1.weight, self.fc1.bias)))
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("model", [FunctionalLinear, FunctionalLinearModuleRelu])
+def test_a_pattern_whose_linear_has_no_qconfig_names_the_linear(model, backend):
+    # (linear, relu) matches as one pattern, its parts' QConfigs differ: the relu
+    # was "give them the same one" (and warned about), though the user set the
+    # linear's None on purpose
+    mapping = get_default_qconfig_mapping(backend)
+    report, _, warned = _quantize(model(), backend, mapping)
+    assert [e.node for e in report.quantized] == ["linear", "relu", "fc2"]
+
+    mapping.set_object_type(torch.nn.functional.linear, None)
+    report, _, warned = _quantize(model(), backend, mapping)
+
+    linear = "no QConfig for linear in the QConfigMapping"
+    assert report["linear"].reason == linear
+    assert report["relu"].status is Status.FLOAT
+    assert report["relu"].reason == f"its input is float: linear runs in float ({linear})"
+    assert warned == []
 
 
 # A backend with no plugin that quantizes relu only fused into a linear (as many

@@ -217,10 +217,15 @@ def annotate_with_backend_config(
                 reason = f"QConfig rejected by pattern {pattern}: " + "; ".join(rejections)
         if reason is None and fusion_notes.get(match.root):
             reason = fusion_notes[match.root]
+        reasons_of = dict.fromkeys(match.nodes, reason)
+        if qconfig is None and not fusion_notes.get(match.root):
+            reasons_of.update(_behind_a_float_root(match, qconfigs, modules))
         for member in match.nodes:
             member_op = op_name(member, modules)
             if reason is not None:
-                entries[member.name] = Entry(member.name, member_op, Status.FLOAT, reason, pattern)
+                entries[member.name] = Entry(
+                    member.name, member_op, Status.FLOAT, reasons_of[member], pattern
+                )
             else:
                 entries[member.name] = Entry(member.name, member_op, Status.QUANTIZED, "", pattern)
         if reason is not None:
@@ -264,6 +269,27 @@ def _explain_float_inputs(
             continue  # a graph input: quantized where it enters, had the op a pattern
         reason = float_input_reason(producer.node, producer.reason)
         entries[node.name] = replace(entries[node.name], reason=reason)
+
+
+def _behind_a_float_root(
+    match: Match, qconfigs: Mapping[Node, Any], modules: Mapping
+) -> dict[Node, str]:
+    """When a pattern's root has no QConfig but ops fused after it do (``F.linear`` set
+    to None, then ``F.relu``), each runs in float because its input does: they
+    would have run in the root's int8 kernel. Empty unless that is so."""
+    root = match.root
+    if qconfigs.get(root) is not None or all(qconfigs.get(n) is None for n in match.nodes):
+        return {}
+    reasons = {root: f"no QConfig for {op_name(root, modules)} in the QConfigMapping"}
+    for member in reversed(match.nodes):  # forward order: producers first
+        if member is root:
+            continue
+        if qconfigs.get(member) is None:
+            reasons[member] = f"no QConfig for {op_name(member, modules)} in the QConfigMapping"
+            continue
+        producer = next((arg for _, arg in _flat_node_args(member) if arg in reasons), root)
+        reasons[member] = float_input_reason(producer.name, reasons[producer])
+    return reasons
 
 
 def _quantizes(annotation: QuantizationAnnotation | None) -> bool:
