@@ -47,6 +47,7 @@ from qcore.engine.float_islands import islands_from_any_float_op
 from qcore.engine.fuse import fuse_graph
 from qcore.engine.lower import lower
 from qcore.engine.prepare import prepare
+from qcore.engine.scripting import keep_model_when_scripted
 from qcore.engine.standalone import convert_standalone_modules, input_qparams
 from qcore.engine.trace import trace
 from qcore.plugin import NATIVE, BackendLoadError, UnknownBackendError, get_backend, list_backends
@@ -330,7 +331,7 @@ def _convert(
     copy_preserved(prepared, converted, settings.preserved_attributes)
     if not to_kernels:
         to_decomposed(converted)
-    return converted
+    return keep_model_when_scripted(converted)
 
 
 def convert_fx(

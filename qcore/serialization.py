@@ -955,6 +955,7 @@ class _Decoder:
 
     def graph_module(self, data: dict, where: str) -> GraphModule:
         from qcore.engine.explain import Report, attach_report
+        from qcore.engine.scripting import keep_model_when_scripted
         from qcore.pt2e.graph import refuse_train_eval
 
         class_name = _identifier(data.get("class_name"), where or "model", "class_name")
@@ -980,7 +981,7 @@ class _Decoder:
             attach_report(gm, decoded)
         if data.get("refuse_train_eval") is True:
             refuse_train_eval(gm)
-        return gm
+        return keep_model_when_scripted(gm)  # as convert left it (engine/scripting.py)
 
     def graph(self, data: Any, owner: GraphModule, where: str) -> Graph:
         _expect(

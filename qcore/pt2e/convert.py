@@ -24,6 +24,7 @@ from qcore.engine.explain import Entry, Report, Status, attach_report, report_of
 from qcore.engine.lower import lower as lower_to_kernels
 from qcore.engine.observe import DerivedObserver
 from qcore.engine.reference import QParams, qparams_of
+from qcore.engine.scripting import keep_model_when_scripted
 from qcore.observers.nonfinite import check_observers
 from qcore.pt2e.graph import refuse_train_eval
 from qcore.pt2e.guard import ExportedCodeTracer
@@ -312,4 +313,5 @@ def convert_pt2e(
     )
     _delete_unused_constants(lowered)
     lowered._tracer_cls = ExportedCodeTracer  # torch.load re-traces with it
-    return refuse_train_eval(lowered)
+    # its kernels hand torch.jit.script other modules: script a copy, not the model
+    return keep_model_when_scripted(refuse_train_eval(lowered))
