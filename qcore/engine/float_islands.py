@@ -79,8 +79,9 @@ def float_input_reason(producer: str, producer_reason: str) -> str:
 
 def gains_nothing(reason: str) -> bool:
     """Whether an op left float for ``reason`` loses the user nothing: quantizing it
-    would add a quantize for no int8 arithmetic, or it follows a layer kept float
-    (it would have run fused into that layer's int8 kernel, which is not there)."""
+    would add a quantize for no int8 arithmetic, or it is quantized only fused into
+    the op before it and that op runs in float (on its own, on a float input, it
+    would have nothing to compute in int8)."""
     return reason in NOTHING_TO_GAIN or reason.startswith(_FLOAT_INPUT)
 
 

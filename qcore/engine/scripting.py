@@ -35,7 +35,8 @@ def keep_model_when_scripted(gm: GraphModule) -> GraphModule:
     """
     for module in gm.modules():
         cls = type(module)
-        if isinstance(module, GraphModule) and cls is not GraphModule:  # never the base class
+        # only the class torch.fx made for this one instance, never one others share
+        if isinstance(module, GraphModule) and cls.__qualname__.endswith(".GraphModuleImpl"):
             cls.__prepare_scriptable__ = _scripting_copy
             # torch's deep copy builds the copy's own class, then runs this initializer
             # (the hook torch's _LazyGraphModule overrides): the copy keeps the guard
@@ -68,6 +69,8 @@ def _copy_modules(module: torch.nn.Module, memo: dict[int, torch.nn.Module]) -> 
     same Graph, which re-owns the graph (and a user's module may not take ``__init__``
     twice). A module shared under two names stays one (``memo``).
     """
+    if isinstance(module, torch.jit.ScriptModule):
+        return module  # compiled already: torch takes it as it is
     found = memo.get(id(module))
     if found is not None:
         return found
