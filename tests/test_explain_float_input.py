@@ -97,6 +97,33 @@ def test_a_layer_the_search_keeps_float_is_named_with_its_new_reason(backend):
     assert report["fc2"].status is Status.QUANTIZED
 
 
+class ModuleReluAfterLinear(TorchRelu):
+    def __init__(self) -> None:
+        super().__init__()
+        self.relu = torch.nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.relu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_relu_fused_into_a_linear_set_to_none_goes_float_with_it(backend):
+    # torch.ao fuses fc1 and relu into one LinearReLU, which takes fc1's QConfig:
+    # the entry was "the fused modules (fc1, relu) have different QConfigs; give them
+    # the same one", though the user set fc1's None on purpose
+    mapping = get_default_qconfig_mapping(backend).set_module_name("fc1", None)
+    report, _, warned = _quantize(ModuleReluAfterLinear(), backend, mapping)
+
+    assert [(e.node, e.op, e.status) for e in report.ops] == [
+        ("fc1", "LinearReLU", Status.FLOAT),
+        ("fc2", "Linear", Status.QUANTIZED),
+    ]
+    assert report["fc1"].reason == (
+        "no QConfig for fc1 in the QConfigMapping (relu, fused into it, runs in float with it)"
+    )
+    assert warned == []
+
+
 class FunctionalLinear(TorchRelu):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = torch.nn.functional.linear(x, self.fc1.weight, self.fc1.bias)

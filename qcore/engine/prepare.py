@@ -152,6 +152,13 @@ def _fused_qconfig(new_node: Node, old_nodes: list[Node], qconfigs: dict, notes:
     qconfig = pattern_qconfig(found[-1], found[:-1])
     if qconfig is not None or all(other is None for other in found):
         qconfigs[new_node] = qconfig
+    elif found[-1] is None:  # the layer set to None: what is fused into it goes with it
+        qconfigs[new_node] = None
+        followers = [n.name for n in reversed(old_nodes[:-1])]
+        notes[new_node] = (
+            f"no QConfig for {old_nodes[-1].name} in the QConfigMapping ({', '.join(followers)}, "
+            f"fused into it, {'runs' if len(followers) == 1 else 'run'} in float with it)"
+        )
     else:
         qconfigs[new_node] = None
         notes[new_node] = (
