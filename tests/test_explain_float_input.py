@@ -97,7 +97,7 @@ def test_a_layer_the_search_keeps_float_is_named_with_its_new_reason(backend):
     assert report["fc2"].status is Status.QUANTIZED
 
 
-class ModuleReluAfterLinear(TorchRelu):
+class ModuleRelu(TorchRelu):
     def __init__(self) -> None:
         super().__init__()
         self.relu = torch.nn.ReLU()
@@ -112,7 +112,7 @@ def test_a_relu_fused_into_a_linear_set_to_none_goes_float_with_it(backend):
     # the entry was "the fused modules (fc1, relu) have different QConfigs; give them
     # the same one", though the user set fc1's None on purpose
     mapping = get_default_qconfig_mapping(backend).set_module_name("fc1", None)
-    report, _, warned = _quantize(ModuleReluAfterLinear(), backend, mapping)
+    report, _, warned = _quantize(ModuleRelu(), backend, mapping)
 
     assert [(e.node, e.op, e.status) for e in report.ops] == [
         ("fc1", "LinearReLU", Status.FLOAT),
@@ -130,11 +130,7 @@ class FunctionalLinear(TorchRelu):
         return self.fc2(torch.nn.functional.relu(hidden))
 
 
-class FunctionalLinearModuleRelu(TorchRelu):
-    def __init__(self) -> None:
-        super().__init__()
-        self.relu = torch.nn.ReLU()
-
+class FunctionalLinearModuleRelu(ModuleRelu):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.relu(torch.nn.functional.linear(x, self.fc1.weight, self.fc1.bias)))
 
@@ -168,15 +164,6 @@ CHIP = BackendConfig("chip").set_backend_pattern_configs(
         BackendPatternConfig((torch.nn.Linear, torch.nn.ReLU)).add_dtype_config(_INT8),
     ]
 )
-
-
-class ModuleRelu(TorchRelu):
-    def __init__(self) -> None:
-        super().__init__()
-        self.relu = torch.nn.ReLU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.relu(self.fc1(x)))
 
 
 class ReluAndHidden(ModuleRelu):
