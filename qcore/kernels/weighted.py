@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import torch
 
+from qcore.engine.conv_padding import explicit_padding
 from qcore.engine.reference import ReferenceModule, weighted_child
 from qcore.kernels.packed import PackedWeights
 from qcore.kernels.scripted import SCRIPTED_CONV, SCRIPTED_CONV_TRANSPOSE
 from qcore.plugin.kernels import ActivationQParams, KernelMatch
 
-__all__ = ["QuantizedConv", "QuantizedConvTranspose", "QuantizedLinear"]
+__all__ = ["QuantizedConv", "QuantizedConvTranspose", "QuantizedLinear", "conv_geometry"]
 
 # torch's ops, bound once: a lookup through torch.ops costs about as much as the
 # Python around a kernel call. TorchScript compiles them as the ops themselves.
@@ -87,6 +88,22 @@ class QuantizedLinear(PackedWeights):
         return cls(_reference(match), match.output, relu, match.engine)
 
 
+def conv_geometry(conv: torch.nn.Module) -> tuple[list[int], list[int], list[int], int]:
+    """(stride, padding, dilation, groups) of a float conv as torch's int8 conv kernels
+    take them: explicit zero padding (``"same"``/``"valid"`` resolved); a ValueError
+    saying why where they can't run it (a kernel then leaves the conv in reference form)."""
+    if conv.padding_mode != "zeros":
+        raise ValueError(f"padding_mode {conv.padding_mode!r}: the int8 kernel pads with zeros")
+    padding = explicit_padding(conv.padding, conv.kernel_size, conv.dilation)
+    if padding is None:
+        raise ValueError(
+            f"padding={conv.padding!r} with kernel_size={conv.kernel_size} and dilation="
+            f"{conv.dilation}: torch pads one more after than before, and the int8 kernel "
+            "takes the same padding on both sides"
+        )
+    return list(conv.stride), padding, list(conv.dilation), conv.groups
+
+
 class QuantizedConv(PackedWeights):
     """int8 conv1d/2d/3d (optionally fused with relu) on ``engine``'s packed weights."""
 
@@ -97,13 +114,8 @@ class QuantizedConv(PackedWeights):
     ) -> None:
         super().__init__(engine)
         conv = weighted_child(reference.module)
-        if conv.padding_mode != "zeros":
-            raise ValueError(f"padding_mode {conv.padding_mode!r}: the int8 kernel pads with zeros")
         self.dims = len(conv.kernel_size)
-        self.stride, self.padding = list(conv.stride), list(conv.padding)
-        self.dilation, self.groups = list(conv.dilation), conv.groups
-        if isinstance(conv.padding, str):
-            raise ValueError(f"padding={conv.padding!r}: the int8 kernel takes explicit padding")
+        self.stride, self.padding, self.dilation, self.groups = conv_geometry(conv)
         self.relu = relu
         self.scale, self.zero_point = output.scale, output.zero_point
         self.description = (

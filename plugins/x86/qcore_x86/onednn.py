@@ -37,7 +37,7 @@ from torch import nn
 from qcore.engine.reference import ReferenceModule, weighted_child
 from qcore.kernels.packed import PackedWeights
 from qcore.kernels.runtime import int8_products_saturate
-from qcore.kernels.weighted import QuantizedConv
+from qcore.kernels.weighted import QuantizedConv, conv_geometry
 from qcore.plugin.kernels import ActivationQParams, Kernel, KernelMatch
 from qcore.pt2e.fused import WeightedWithPostOps
 
@@ -178,11 +178,8 @@ class OnednnConv(_OnednnWeighted):
     def __init__(self, match: KernelMatch) -> None:
         super().__init__(match, linear=False)
         conv = weighted_child(match.module.module)
-        if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
-            raise ValueError("oneDNN's int8 conv takes explicit zero padding")
         self.dims = len(conv.kernel_size)
-        self.stride, self.padding = list(conv.stride), list(conv.padding)
-        self.dilation, self.groups = list(conv.dilation), conv.groups
+        self.stride, self.padding, self.dilation, self.groups = conv_geometry(conv)
         self.description = (
             f"{conv.in_channels}, {conv.out_channels}, kernel_size={conv.kernel_size}"
         )
