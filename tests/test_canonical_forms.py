@@ -1,11 +1,14 @@
-"""Convs with padding="same"/"valid" run on int8 kernels, FX and PT2E.
+"""Layers written in other forms than the backend's patterns read run on int8 kernels.
 
-transformers' EfficientNet writes its convs that way; torch.export gives them as
-``aten.conv2d.padding``. They used to stay in reference form on every backend
-(15 of EfficientNet's 16 convs on PT2E) and the algorithms could not see them.
-The lowered model must equal, bit for bit, the same model written with explicit
-padding; an even kernel's "same" (asymmetric in torch) stays in reference form,
-with the reason.
+- Convs with padding="same"/"valid" (FX and PT2E). transformers' EfficientNet writes
+  its convs that way; torch.export gives them as ``aten.conv2d.padding``. They used
+  to stay in reference form on every backend (15 of EfficientNet's 16 convs on
+  PT2E) and the algorithms could not see them. An even kernel's "same" (asymmetric
+  in torch) stays in reference form, with the reason.
+- Linears written as ``torch.addmm(bias, x, weight)`` (transformers' Conv1D, all of
+  GPT-2's projections), on PT2E: they stayed float.
+
+Each lowered model must equal, bit for bit, the same model written the usual way.
 """
 
 from __future__ import annotations
@@ -113,3 +116,105 @@ def test_equalization_sees_string_padded_convs_on_pt2e(backend):
     assert pairs == [("conv2d", "conv2d_1"), ("conv2d_1", "conv2d_2")]  # a -> b -> c
     with torch.no_grad():
         torch.testing.assert_close(equalized(*example), prepared(*example), rtol=1e-4, atol=1e-5)
+
+
+class Conv1D(torch.nn.Module):
+    """transformers' GPT-2 projection: a linear with its weight stored (in, out)."""
+
+    def __init__(self, inputs: int, outputs: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(inputs, outputs) * 0.2)
+        self.bias = torch.nn.Parameter(torch.randn(outputs) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape[:-1] + (self.weight.shape[1],)
+        return torch.addmm(self.bias, x.view(-1, x.shape[-1]), self.weight).view(shape)
+
+
+class Linear2D(torch.nn.Linear):
+    """The twin: an nn.Linear on the same 2-D view Conv1D multiplies."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape[:-1] + (self.out_features,)
+        return super().forward(x.view(-1, x.shape[-1])).view(shape)
+
+
+class Projections(torch.nn.Module):
+    def __init__(self, layer: type) -> None:
+        super().__init__()
+        self.up, self.down = layer(16, 32), layer(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def _addmm_and_linear_twins() -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    addmm = Projections(Conv1D).eval()
+    linear = Projections(Linear2D).eval()
+    with torch.no_grad():
+        for name in ("up", "down"):
+            getattr(linear, name).weight.copy_(getattr(addmm, name).weight.t())
+            getattr(linear, name).bias.copy_(getattr(addmm, name).bias)
+    return addmm, linear
+
+
+def _pt2e(model: torch.nn.Module, quantizer: object) -> torch.nn.Module:
+    generator = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(2, 5, 16, generator=generator),) for _ in range(3)]
+    prepared = qcore.prepare_pt2e(torch.export.export(model, batches[0]).module(), quantizer)
+    with torch.no_grad():
+        for batch in batches:
+            prepared(*batch)
+    return qcore.convert_pt2e(prepared), batches
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_addmm_linears_run_on_kernels_as_their_nn_linear_twins(backend):
+    addmm, linear = _addmm_and_linear_twins()
+    lowered, batches = _pt2e(addmm, backend)
+    twin, _ = _pt2e(linear, backend)
+    layers = [e for e in qcore.explain(lowered) if e.op in ("aten.linear", "Linear")]
+    assert [e.status.name for e in layers] == ["QUANTIZED", "QUANTIZED"], layers
+    assert [e.kernel for e in layers] == [
+        e.kernel for e in qcore.explain(twin) if e.op in ("aten.linear", "Linear")
+    ]
+    for batch in batches:
+        assert torch.equal(lowered(*batch), twin(*batch))
+    # the user's model is untouched: its Conv1D weights are still (in, out)
+    assert addmm.up.weight.shape == (16, 32)
+
+
+def test_a_quantizer_of_ones_own_sees_the_exported_graph_as_is():
+    """Only qcore's quantizers canonicalize (in their transform_for_annotation): a
+    Quantizer written for the exported graph finds its addmm where it left it."""
+    from qcore.quantizer import Quantizer
+
+    seen = []
+
+    class Looking(Quantizer):
+        def annotate(self, model):
+            seen.extend(str(n.target) for n in model.graph.nodes if n.op == "call_function")
+            return model
+
+    addmm, _ = _addmm_and_linear_twins()
+    _pt2e(addmm, Looking())
+    assert seen.count("aten.addmm.default") == 2 and "aten.linear.default" not in seen
+
+
+def test_an_addmm_that_is_not_a_linear_is_left_as_is():
+    """beta != 1 scales the bias: not a linear; the rewrite leaves it."""
+    from qcore.pt2e import canonicalize
+
+    class Scaled(Conv1D):
+        def forward(self, x):
+            return torch.addmm(self.bias, x, self.weight, beta=0.5)
+
+    torch.manual_seed(0)
+    model = Scaled(4, 3).eval()
+    x = torch.randn(2, 4)
+    exported = torch.export.export(model, (x,)).module()
+    assert canonicalize(exported) == 0
+    assert [str(n.target) for n in exported.graph.nodes if n.op == "call_function"].count(
+        "aten.addmm.default"
+    ) == 1

@@ -9,10 +9,14 @@
 
 A Quantizer object, qcore's or torchao's, may stand in place of the backend name.
 A Quantizer of one's own explains an op it leaves in float by setting
-``node.meta[REASON_KEY]`` to the reason; ``qcore.explain`` shows it.
+``node.meta[REASON_KEY]`` to the reason; ``qcore.explain`` shows it. Its
+``transform_for_annotation`` may call :func:`canonicalize` to see string-padded
+convs and ``addmm`` linears as the default conv and ``aten.linear`` (qcore's own
+quantizers do; a Quantizer written for the exported graph as is does not).
 """
 
 from qcore.pt2e.backend_quantizer import REASON_KEY, BackendQuantizer
+from qcore.pt2e.canonical import canonicalize
 from qcore.pt2e.convert import convert_pt2e
 from qcore.pt2e.graph import AnnotationError
 from qcore.pt2e.prepare import prepare_pt2e, prepare_qat_pt2e
@@ -21,6 +25,7 @@ __all__ = [
     "AnnotationError",
     "BackendQuantizer",
     "REASON_KEY",
+    "canonicalize",
     "convert_pt2e",
     "prepare_pt2e",
     "prepare_qat_pt2e",

@@ -27,6 +27,7 @@ from qcore.config.compat import find_accepting_dtype_config
 from qcore.config.errors import describe
 from qcore.engine.backend_annotator import is_quantized_dtype
 from qcore.engine.float_islands import float_input_reason, fused_only_ops
+from qcore.pt2e.canonical import canonicalize
 from qcore.pt2e.graph import is_tensor_node
 from qcore.pt2e.patterns import WEIGHTED, aten_ops, aten_pattern, match_aten, packet, pattern_size
 from qcore.quantizer.quantizer import ANNOTATION_KEY, Quantizer
@@ -189,6 +190,12 @@ class BackendQuantizer(Quantizer):
 
         backend = get_backend(name)
         return cls(backend.config, qconfig_mapping, is_qat=is_qat, backend_name=backend.name)
+
+    def transform_for_annotation(self, model: GraphModule) -> GraphModule:
+        """String-padded convs and ``addmm`` linears in the forms the backend's patterns
+        and kernels read (:func:`qcore.pt2e.canonicalize`)."""
+        canonicalize(model)
+        return model
 
     def annotate(self, model: GraphModule) -> GraphModule:
         matches = self._match(model)

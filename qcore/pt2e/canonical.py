@@ -1,11 +1,16 @@
-"""Exported convolutions with ``padding="same"``/``"valid"`` given explicit padding.
+"""Exported ops rewritten into the forms int8 kernels, algorithms and Inductor's int8
+passes read, before annotation. Each rewrite computes the same function.
 
-``nn.Conv2d(..., padding="same")`` exports as ``aten.conv2d.padding``, an overload
-no int8 kernel, Inductor int8 pass or algorithm reads: such a conv would be
-annotated, then left in reference form. Where integers give the same padding
-(always for ``"valid"``; for ``"same"`` when each dimension's total padding is even,
-:func:`qcore.engine.conv_padding.explicit_padding`), the node becomes the default
-overload with them, before annotation. The function is unchanged.
+- ``nn.Conv2d(..., padding="same")`` exports as ``aten.conv2d.padding``, an overload
+  none of them reads: such a conv would be annotated, then left in reference form.
+  Where integers give the same padding (always for ``"valid"``; for ``"same"`` when
+  each dimension's total padding is even,
+  :func:`qcore.engine.conv_padding.explicit_padding`) the node becomes the default
+  overload with them (:func:`explicit_conv_padding`).
+- A linear written as ``torch.addmm(bias, x, weight)`` (transformers' ``Conv1D``, in
+  GPT-2) exports as ``aten.addmm``, which no backend pattern matches: the model's
+  every projection stayed float. With a constant weight and a 1-D constant bias it
+  becomes ``aten.linear(x, weight.T, bias)`` (:func:`linear_from_addmm`).
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ import torch
 from torch.fx import GraphModule, Node
 
 from qcore.engine.conv_padding import explicit_padding
+from qcore.pt2e.fold import _attr
 
-__all__ = ["explicit_conv_padding"]
+__all__ = ["canonicalize", "explicit_conv_padding", "linear_from_addmm"]
 
 aten = torch.ops.aten
 _STRING_PADDED = {aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding}
@@ -69,3 +75,41 @@ def explicit_conv_padding(gm: GraphModule) -> int:
     if rewritten:
         gm.recompile()
     return rewritten
+
+
+def linear_from_addmm(gm: GraphModule) -> int:
+    """Rewrite each ``aten.addmm(bias, x, weight)`` of ``gm`` (in place) whose weight is
+    a 2-D constant, bias a 1-D constant and scalars 1 into ``aten.linear`` on the
+    weight transposed (a new parameter, so a weight used elsewhere is left as it
+    is); returns how many."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.addmm.default:
+            continue
+        if len(node.args) != 3 or any(node.kwargs.get(k, 1) != 1 for k in ("beta", "alpha")):
+            continue
+        bias_node, x, weight_node = node.args
+        weight, bias = _attr(gm, weight_node), _attr(gm, bias_node)
+        if weight is None or bias is None or weight.dim() != 2 or bias.dim() != 1:
+            continue
+        if bias.shape[0] != weight.shape[1]:
+            continue
+        name = f"{node.name}_linear_weight"
+        transposed = weight.detach().t().contiguous()
+        gm.register_parameter(name, torch.nn.Parameter(transposed, weight.requires_grad))
+        with gm.graph.inserting_before(node):
+            transposed_node = gm.graph.get_attr(name)
+        transposed_node.meta["val"] = transposed
+        node.target = aten.linear.default
+        node.args = (x, transposed_node, bias_node)
+        node.kwargs = {}
+        rewritten += 1
+    if rewritten:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return rewritten
+
+
+def canonicalize(gm: GraphModule) -> int:
+    """Every rewrite of this module on ``gm`` (in place); returns how many nodes changed."""
+    return explicit_conv_padding(gm) + linear_from_addmm(gm)

@@ -37,7 +37,6 @@ from qcore.pt2e.graph import (
     refuse_train_eval,
 )
 from qcore.pt2e.guard import replace_export_guard
-from qcore.pt2e.padding import explicit_conv_padding
 from qcore.pt2e.patterns import packet
 from qcore.quantizer.quantizer import Quantizer
 
@@ -218,7 +217,6 @@ def _prepare_graph(
     """Annotate ``gm`` (modified in place, or replaced by the quantizer's transform),
     insert its observers, then prepare its control-flow subgraphs the same way."""
     foreign = isinstance(chosen, ForeignQuantizer)
-    explicit_conv_padding(gm)
     if not is_qat:
         fold_conv_bn(gm)
         fold_linear_bn(gm)

@@ -68,16 +68,23 @@ CI_CASES = [
 _VNNI = not int8_products_saturate()
 KNOWN_FAILURES: dict[str, dict[tuple[str, str, str], str]] = {
     "succeeds": {},
-    "sqnr": (
-        {
-            ("resnet", "pt2e", "x86"): (
-                "FINDINGS.md 3: on a VNNI CPU, x86's lowered conv kernels give 37.02 dB "
-                "where the reference form and torchao give 37.60"
-            )
-        }
-        if _VNNI
-        else {}
-    ),
+    "sqnr": {
+        ("gpt2", "pt2e", "x86"): (
+            "FINDINGS.md 4, decided: qcore quantizes GPT-2's 8 addmm projections as "
+            "linears, torchao none of them (8/0): 42.4 against 50.6 dB is the cost of 8 "
+            "more int8 layers, which at GPT-2's width run 1.5x faster than float"
+        ),
+        **(
+            {
+                ("resnet", "pt2e", "x86"): (
+                    "FINDINGS.md 3: on a VNNI CPU, x86's lowered conv kernels give 37.02 dB "
+                    "where the reference form and torchao give 37.60"
+                )
+            }
+            if _VNNI
+            else {}
+        ),
+    },
     "coverage": {},
 }
 

@@ -35,7 +35,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from qcore import HistogramObserver, PerChannelMinMaxObserver, QCoreWarning
-from qcore.pt2e import REASON_KEY
+from qcore.pt2e import REASON_KEY, canonicalize
 from qcore.quantizer import (
     ANNOTATION_KEY,
     QuantizationAnnotation,
@@ -165,6 +165,12 @@ class X86Quantizer(Quantizer):
         )
 
     # -- annotate ------------------------------------------------------------------
+
+    def transform_for_annotation(self, model: GraphModule) -> GraphModule:
+        """String-padded convs and ``addmm`` linears in the forms oneDNN's patterns and
+        kernels read (:func:`qcore.pt2e.canonicalize`)."""
+        canonicalize(model)
+        return model
 
     def annotate(self, model: GraphModule) -> GraphModule:
         self._outputs: set[Node] = set()  # ends of quantized patterns: int8-capable outputs
