@@ -86,6 +86,11 @@ SELECTING_PATTERNS = (
     aten.permute.default,
     aten.transpose.int,
     aten.channel_shuffle.default,
+    aten.contiguous.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.unsqueeze.default,
+    aten.dropout.default,  # an eval model's: train=False (lower_selecting checks)
 )
 
 AVERAGING_PATTERNS = (
@@ -170,6 +175,9 @@ def lower_selecting(match: KernelMatch) -> SameOp | QuantizedMaxPool1d:
     module = match.module
     if isinstance(module, torch.nn.Dropout) and module.training:
         raise ValueError("dropout in training mode")
+    if module is None and match.root.target is aten.dropout.default:
+        train = match.root.args[2] if len(match.root.args) > 2 else match.root.kwargs.get("train")
+        require(train is False, "dropout in training mode")
     same = same_as_input(match)
     key = type(module) if module is not None else match.root.target
     if key not in _MAX_POOL1D or match.output != same.produces:
