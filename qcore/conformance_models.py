@@ -274,7 +274,6 @@ _ATEN: dict[Any, Any] = {
     aten.channel_shuffle.default: torch.channel_shuffle,
     aten.contiguous.default: "contiguous",
     aten.squeeze.dim: "squeeze",
-    aten.squeeze.dims: "squeeze",
     aten.unsqueeze.default: "unsqueeze",
     aten.dropout.default: F.dropout,
     aten.avg_pool2d.default: F.avg_pool2d,

@@ -88,7 +88,6 @@ SELECTING_PATTERNS = (
     aten.channel_shuffle.default,
     aten.contiguous.default,
     aten.squeeze.dim,
-    aten.squeeze.dims,
     aten.unsqueeze.default,
     aten.dropout.default,  # an eval model's: train=False (lower_selecting checks)
 )
