@@ -154,7 +154,9 @@ def test_time_budget_bounds_the_run_and_zero_keeps_nearest_rounding():
     bounded = qcore.adaround(prepared, _data(), iterations=10**7, time_budget_s=1.0)
     elapsed = time.monotonic() - started
     assert elapsed < 6.0, elapsed  # the budget plus recording and checking, on a loaded machine
-    assert all(0 < r.iterations < 10**7 for r in adarounded_layers(bounded))
+    # How many iterations fit depends on the machine: on a loaded one recording the
+    # inputs can use the whole budget, leaving a layer none. Only the bound is certain.
+    assert all(r.iterations < 10**7 for r in adarounded_layers(bounded))
     none = qcore.adaround(prepared, _data(), time_budget_s=0)
     results = adarounded_layers(none)
     assert [r.iterations for r in results] == [0, 0]
