@@ -43,7 +43,12 @@ from realmodels.harness import (  # noqa: E402
     CaseResult,
     run_case,
 )
-from realmodels.models import BUILDERS, MODELS  # noqa: E402
+from realmodels.models import (  # noqa: E402
+    BUILDERS,
+    CALIBRATION_BATCHES,
+    EVAL_BATCHES,
+    MODELS,
+)
 
 THREADS = 2
 
@@ -115,8 +120,9 @@ def render(rows: list[tuple[CaseResult, dict]], rounds: int, load: float) -> str
         "mapping, 7-bit activations), torch.ao run under its quantized engine. `pt2e`: "
         'torch.export, then qcore.prepare_pt2e(model, "x86")/convert_pt2e (lowered) vs '
         "torchao's X86InductorQuantizer default config (its reference graph, eager), same "
-        "`reduce_range` both sides. SQNR: dB against the float model, mean over 3 held-out "
-        "batches (calibration: the same 4 batches both sides). `lin/conv`: linears and "
+        "`reduce_range` both sides. SQNR: dB against the float model, over the outputs "
+        f"of {EVAL_BATCHES} held-out batches together (calibration: the same "
+        f"{CALIBRATION_BATCHES} batches both sides). `lin/conv`: linears and "
         "convs quantized, qcore/peer. `workaround`: what FX tracing needed, found from "
         "qcore's TraceFailure advice and given to both sides (pt2e needs none). Latency: "
         f"ms per forward, median over {rounds} interleaved rounds; `peer/q` above 1: qcore "

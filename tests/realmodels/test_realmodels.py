@@ -25,8 +25,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from qcore.kernels.runtime import int8_products_saturate  # noqa: E402
-
 from .harness import (  # noqa: E402
     SQNR_TOLERANCE_DB,
     CaseResult,
@@ -62,27 +60,15 @@ CI_CASES = [
     ("wav2vec2", "pt2e", "x86"),
 ]
 
-# (model, path, backend) -> symptom, per check: qcore's open failures (FINDINGS.md).
-# The first two found are fixed (FINDINGS.md keeps their history); the third shows
-# on CPUs with VNNI only, where qcore's x86 PT2E quantizer keeps 8-bit activations.
-_VNNI = not int8_products_saturate()
+# (model, path, backend) -> symptom, per check: qcore's open or decided failures
+# (FINDINGS.md keeps the history of the fixed ones).
 KNOWN_FAILURES: dict[str, dict[tuple[str, str, str], str]] = {
     "succeeds": {},
     "sqnr": {
         ("gpt2", "pt2e", "x86"): (
             "FINDINGS.md 4, decided: qcore quantizes GPT-2's 8 addmm projections as "
-            "linears, torchao none of them (8/0): 42.4 against 50.6 dB is the cost of 8 "
+            "linears, torchao none of them (8/0): 41.0 against 50.5 dB is the cost of 8 "
             "more int8 layers, which at GPT-2's width run 1.5x faster than float"
-        ),
-        **(
-            {
-                ("resnet", "pt2e", "x86"): (
-                    "FINDINGS.md 3: on a VNNI CPU, x86's lowered conv kernels give 37.02 dB "
-                    "where the reference form and torchao give 37.60"
-                )
-            }
-            if _VNNI
-            else {}
         ),
     },
     "coverage": {},
