@@ -103,6 +103,31 @@ def _as_uint8(x: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _prepared_input_shape(match: KernelMatch, conv: nn.Module) -> list[int] | None:
+    """The shape the conv's input had when the model was prepared, or None.
+
+    Packed without an input shape, oneDNN lays some weights out for a made-up one and
+    reorders them at every call (a third of a small conv-add's time); packed for the
+    shape the model runs at, it doesn't. Another shape at run time gives the same
+    values (the weight is reordered then). The shape is the nearest recorded one
+    (FX: ``tensor_meta``, PT2E: ``val``) up the conv's input through the
+    quantize/dequantize nodes the reference graph adds, which record none."""
+    node = match.root.args[0] if match.root.args else None
+    while hasattr(node, "meta"):
+        value = node.meta.get("tensor_meta", node.meta.get("val"))
+        if value is not None:
+            shape = getattr(value, "shape", None)
+            fits = (
+                shape is not None
+                and len(shape) == len(conv.kernel_size) + 2
+                and all(isinstance(size, int) for size in shape)  # not symbolic
+                and shape[1] == conv.in_channels
+            )
+            return list(shape) if fits else None
+        node = node.args[0] if node.args else None
+    return None
+
+
 class _OnednnWeighted(PackedWeights):
     """What the conv and linear kernels share: qparams at both ends, the post-ops."""
 
@@ -180,6 +205,7 @@ class OnednnConv(_OnednnWeighted):
         conv = weighted_child(match.module.module)
         self.dims = len(conv.kernel_size)
         self.stride, self.padding, self.dilation, self.groups = conv_geometry(conv)
+        self.packed_for_shape = _prepared_input_shape(match, conv)
         self.description = (
             f"{conv.in_channels}, {conv.out_channels}, kernel_size={conv.kernel_size}"
         )
@@ -195,8 +221,8 @@ class OnednnConv(_OnednnWeighted):
 
     def pack(self):
         return torch.ops.onednn.qconv_prepack(
-            self.weight_int, self._w_scale, *self._x,
-            self.stride, self.padding, self.dilation, self.groups, None,
+            self.weight_int, self._w_scale, *self._x, self.stride, self.padding,
+            self.dilation, self.groups, getattr(self, "packed_for_shape", None),
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
@@ -279,6 +305,7 @@ class OnednnPackedConvAdd(QuantizedConv):
         self._x = (match.inputs[0].scale, match.inputs[0].zero_point)
         self.residual_add, self.unary = True, "relu" if relu else "none"
         self.unary_scalars, self.unary_algorithm = [], ""
+        self.packed_for_shape = _prepared_input_shape(match, weighted_child(reference.module))
         super().__init__(reference, match.output, relu, "onednn")
         self.residual_used_elsewhere = _residual_used_elsewhere(match.root)
 
@@ -290,8 +317,8 @@ class OnednnPackedConvAdd(QuantizedConv):
 
     def pack(self):
         return torch.ops.onednn.qconv_prepack(
-            self.weight_int, self._w_scale, *self._x,
-            self.stride, self.padding, self.dilation, self.groups, None,
+            self.weight_int, self._w_scale, *self._x, self.stride, self.padding,
+            self.dilation, self.groups, getattr(self, "packed_for_shape", None),
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
