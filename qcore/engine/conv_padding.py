@@ -12,7 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["explicit_padding"]
+__all__ = ["explicit_padding", "per_dim"]
+
+
+def per_dim(value: int | Sequence[int], dims: int) -> list[int]:
+    """A conv argument that torch accepts as one int for every dimension, as a list."""
+    return [value] * dims if isinstance(value, int) else list(value)
 
 
 def explicit_padding(
@@ -28,16 +33,13 @@ def explicit_padding(
         True
     """
     dims = len(kernel_size)
-    if isinstance(padding, int):
-        return [padding] * dims
     if not isinstance(padding, str):
-        return list(padding)
+        return per_dim(padding, dims)
     if padding == "valid":
         return [0] * dims
     if padding != "same":
         return None
-    dilations = [dilation] * dims if isinstance(dilation, int) else list(dilation)
-    totals = [d * (k - 1) for d, k in zip(dilations, kernel_size, strict=True)]
+    totals = [d * (k - 1) for d, k in zip(per_dim(dilation, dims), kernel_size, strict=True)]
     if any(total % 2 for total in totals):
         return None
     return [total // 2 for total in totals]

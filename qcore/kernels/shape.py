@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.fx.operator_schemas import normalize_function
 
 from qcore.kernels.common import (
     OutputKernel,
@@ -175,8 +176,11 @@ def lower_selecting(match: KernelMatch) -> SameOp | QuantizedMaxPool1d:
     if isinstance(module, torch.nn.Dropout) and module.training:
         raise ValueError("dropout in training mode")
     if module is None and match.root.target is aten.dropout.default:
-        train = match.root.args[2] if len(match.root.args) > 2 else match.root.kwargs.get("train")
-        require(train is False, "dropout in training mode")
+        root = match.root
+        arguments = normalize_function(
+            root.target, root.args, root.kwargs, normalize_to_only_use_kwargs=True
+        ).kwargs
+        require(arguments["train"] is False, "dropout in training mode")
     same = same_as_input(match)
     key = type(module) if module is not None else match.root.target
     if key not in _MAX_POOL1D or match.output != same.produces:

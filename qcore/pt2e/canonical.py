@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.fx.operator_schemas import normalize_function
 
-from qcore.engine.conv_padding import explicit_padding
+from qcore.engine.conv_padding import explicit_padding, per_dim
 from qcore.pt2e.fold import _attr
 
 __all__ = ["canonicalize", "explicit_conv_padding", "linear_from_addmm"]
@@ -29,19 +30,9 @@ _STRING_PADDED = {aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding}
 
 def _arguments(node: Node) -> dict:
     """The op's arguments by name, defaults filled in."""
-    values = {}
-    for index, argument in enumerate(node.target._schema.arguments):
-        if index < len(node.args):
-            values[argument.name] = node.args[index]
-        elif argument.name in node.kwargs:
-            values[argument.name] = node.kwargs[argument.name]
-        else:
-            values[argument.name] = argument.default_value
-    return values
-
-
-def _per_dim(value: int | list[int], dims: int) -> list[int]:
-    return [value] * dims if isinstance(value, int) else list(value)
+    return normalize_function(
+        node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True
+    ).kwargs
 
 
 def explicit_conv_padding(gm: GraphModule) -> int:
@@ -65,9 +56,9 @@ def explicit_conv_padding(gm: GraphModule) -> int:
             values["input"],
             values["weight"],
             values["bias"],
-            _per_dim(values["stride"], dims),
+            per_dim(values["stride"], dims),
             padding,
-            _per_dim(values["dilation"], dims),
+            per_dim(values["dilation"], dims),
             values["groups"],
         )
         node.kwargs = {}
