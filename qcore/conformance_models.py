@@ -256,7 +256,11 @@ _ATEN: dict[Any, Any] = {
     aten.relu.default: F.relu,
     aten.relu_.default: "relu_",
     aten.add.Tensor: torch.add,
+    aten.add_.Tensor: "add_",
     aten.mul.Tensor: torch.mul,
+    aten.mul_.Tensor: "mul_",
+    aten.sigmoid.default: torch.sigmoid,
+    aten.tanh.default: torch.tanh,
     aten.cat.default: torch.cat,
     aten.matmul.default: torch.matmul,
     aten.hardswish.default: F.hardswish,
@@ -285,6 +289,9 @@ _ATEN: dict[Any, Any] = {
 _FIRST["hardswish_"] = (lambda: _Call(lambda x: F.hardswish(x, inplace=True)), _X2)
 _FIRST["hardtanh_"] = (lambda: _Call(lambda x: F.hardtanh(x, inplace=True)), _X2)
 _THEN["relu_"] = lambda: _Call(lambda y: y.relu_())
+# x += y on a tensor of the model's own (writing into an input is export's business)
+_FIRST["add_"] = (lambda: _Call(lambda a, b: a.clone().add_(b)), _two(2, 4, 8, 8))
+_FIRST["mul_"] = (lambda: _Call(lambda a, b: a.clone().mul_(b)), _two(2, 4, 8, 8))
 
 _DYNAMIC_ONLY = (nn.LSTM, nn.GRU, nn.LSTMCell, nn.GRUCell, nn.RNNCell)
 _WEIGHT_ONLY = (nn.Embedding, nn.EmbeddingBag)

@@ -118,9 +118,28 @@ def _number(value: Union[torch.Tensor, float, int]) -> float:  # noqa: UP007
     raise ValueError("expected a quantized tensor and a Python number")
 
 
+IN_PLACE = (torch.ops.aten.add_.Tensor, torch.ops.aten.mul_.Tensor)
+
+
+def _check_in_place(match: KernelMatch) -> None:
+    """An exported ``x.add_(y)`` (``x += y``) writes into its first operand. In the
+    reference graph that is a dequantize's fresh float tensor; when the add is its
+    only reader, nothing sees the write, and the kernel's new int8 tensor (nothing
+    written in place) gives the same values."""
+    if match.root.target not in IN_PLACE:
+        return
+    written = match.root.args[0]
+    require(
+        hasattr(written, "users") and set(written.users) == {match.root},
+        f"{match.root.target.overloadpacket.__name__} writes into "
+        f"{getattr(written, 'name', written)!r}, which is read elsewhere too",
+    )
+
+
 def lower_binary(match: KernelMatch, op: str, relu: bool = False):
     """add/mul of two quantized tensors, or of one and a Python number."""
     _check_binary(match)
+    _check_in_place(match)
     if len(match.inputs) == 2:
         return QuantizedBinary(op, relu, match.output)
     require(len(match.inputs) == 1, "needs a quantized operand")

@@ -196,8 +196,8 @@ def families() -> list[tuple[str, list, object]]:
                 QuantizedConvTranspose.lower,
             ),
         ]
-    add = (operator.add, torch.add, aten.add.Tensor)
-    mul = (operator.mul, torch.mul, aten.mul.Tensor)
+    add = (operator.add, torch.add, aten.add.Tensor, aten.add_.Tensor)
+    mul = (operator.mul, torch.mul, aten.mul.Tensor, aten.mul_.Tensor)
     relu_linear = functools.partial(QuantizedLinear.lower, relu=True)
     dynamic_relu = functools.partial(DynamicLinear.lower, relu=True)
     return [
@@ -253,12 +253,12 @@ def families() -> list[tuple[str, list, object]]:
         ("leaky_relu", [torch.nn.LeakyReLU, F.leaky_relu], activations.lower_leaky_relu),
         (
             "sigmoid",
-            [torch.nn.Sigmoid, torch.sigmoid, F.sigmoid, "sigmoid"],
+            [torch.nn.Sigmoid, torch.sigmoid, F.sigmoid, "sigmoid", aten.sigmoid.default],
             functools.partial(activations.lower_fixed_qparams, op="sigmoid"),
         ),
         (
             "tanh",
-            [torch.nn.Tanh, torch.tanh, F.tanh, "tanh"],
+            [torch.nn.Tanh, torch.tanh, F.tanh, "tanh", aten.tanh.default],
             functools.partial(activations.lower_fixed_qparams, op="tanh"),
         ),
         (
