@@ -201,3 +201,36 @@ def test_pt2e_relu_on_an_int8_input_still_matches_no_pattern():
     # int8 in reference form: the chip has no plugin, so no kernels
     assert report["linear_reference"].status is Status.REFERENCE
     assert report["relu"].reason == "no pattern in backend 'chip' matches aten.relu"
+
+
+class AttentionReshape(torch.nn.Module):
+    """Linear -> scaled_dot_product_attention (float: no backend quantizes it) ->
+    reshape -> Linear: transformers' attention output. The reshape's output is
+    quantized for the linear; the reshape itself reads the float attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q(x).view(2, 4, 2, 4).transpose(1, 2)
+        attention = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        return self.out(attention.reshape(2, -1, 8))
+
+
+@pytest.mark.parametrize("backend", backend_params(("fbgemm", "qnnpack")))
+def test_pt2e_reshape_of_the_float_attention_says_it_runs_in_float(backend):
+    x = torch.randn(2, 4, 8)
+    exported = torch.export.export(AttentionReshape().eval(), (x,)).module()
+    prepared = qcore.prepare_pt2e(exported, backend)
+    prepared(x)
+    report = qcore.explain(qcore.convert_pt2e(prepared))
+
+    attention = f"no pattern in backend {backend!r} matches aten.scaled_dot_product_attention"
+    assert report["scaled_dot_product_attention"].reason == attention
+    assert report["reshape"].status is Status.FLOAT
+    assert report["reshape"].reason == (
+        f"its input is float: scaled_dot_product_attention runs in float ({attention})"
+    )
+    assert report["linear_1_reference"].kernel == f"{backend}.linear"  # takes it as int8

@@ -29,6 +29,7 @@ from torch.fx.node import map_arg
 
 from qcore import ops
 from qcore.engine.explain import Entry, Report, Status, attach_report, report_of
+from qcore.engine.float_islands import float_input_reason
 from qcore.engine.reference import ReferenceModule
 from qcore.kernels.runtime import (
     EXACT_ENGINE,
@@ -589,17 +590,45 @@ def _update_report(gm: GraphModule, lowering: _Lowering) -> None:
             if entry is None:
                 entries.append(Entry(name, "quantize/dequantize", Status.NOT_AN_OP))
             else:
-                entries.append(_updated(entry, lowering, report.backend))
+                entries.append(_updated(entry, lowering, report.backend, node, by_name))
     attach_report(gm, Report(report.backend, entries))
 
 
-def _updated(entry: Entry, lowering: _Lowering, backend: str) -> Entry:
+def _is_dequantize(node: Node) -> bool:
+    """A dequantize of any form: torch's method, qcore's ops, ``quantized_decomposed``'s
+    (an activation's, or a weight's in a weight-only pattern)."""
+    if _is_method(node, "dequantize"):
+        return True
+    name = getattr(node.target, "__name__", "") or str(node.target)
+    return node.op == "call_function" and "dequantize" in name
+
+
+def _float_producer(node: Node) -> Node | None:
+    """The op feeding ``node`` in float, where ``node`` is a function or method that
+    reads no int8 value at all (no input comes out of a dequantize): the
+    annotation quantized its output for the op after it, not its input."""
+    if node.op not in ("call_function", "call_method"):
+        return None
+    inputs = node.all_input_nodes
+    if not inputs or any(_is_dequantize(arg) for arg in inputs):
+        return None
+    return next((arg for arg in inputs if arg.op != "get_attr"), None)
+
+
+def _updated(
+    entry: Entry, lowering: _Lowering, backend: str, node: Node, entries: dict[str, Entry]
+) -> Entry:
     name = entry.node
     if name in lowering.lowered:
         note = lowering.notes.get(name, "")
         return Entry(name, entry.op, Status.QUANTIZED, note, entry.pattern, lowering.lowered[name])
     if name in lowering.unlowered:
         return entry.with_status(Status.REFERENCE, lowering.unlowered[name])
+    producer = _float_producer(node) if entry.status is Status.REFERENCE else None
+    if producer is not None and producer.op != "placeholder":
+        source = entries.get(producer.name)
+        reason = source.reason if source is not None and source.reason else "not quantized"
+        return entry.with_status(Status.FLOAT, float_input_reason(producer.name, reason))
     if entry.status is Status.REFERENCE:
         return entry.with_status(
             Status.REFERENCE,
