@@ -32,11 +32,12 @@ __all__ = ["ScriptedOnednnConv", "ScriptedOnednnLinear"]
 
 # weight, weight scales, bias, input (scale, zero point), int8 output?, output
 # (scale, zero point, low, high), post-op (name, scalars, algorithm), residual add?,
-# conv geometry (stride, padding, dilation, groups), training
+# conv geometry (stride, padding, dilation, groups), training, the input shape the
+# weight is packed for (qcore_x86.onednn._prepared_input_shape)
 _State = tuple[
     torch.Tensor, torch.Tensor, torch.Tensor | None, float, int, bool,
     float, int, int, int, str, Scalars, str, bool,
-    list[int], list[int], list[int], int, bool,
+    list[int], list[int], list[int], int, bool, list[int] | None,
 ]  # fmt: skip
 
 
@@ -46,6 +47,7 @@ class _ScriptedOnednn(torch.nn.Module):
     stride: list[int]
     padding: list[int]
     dilation: list[int]
+    packed_for_shape: list[int] | None
 
     def __init__(self, kernel: torch.nn.Module, packed: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -64,6 +66,7 @@ class _ScriptedOnednn(torch.nn.Module):
         self.padding = list(getattr(kernel, "padding", []))
         self.dilation = list(getattr(kernel, "dilation", []))
         self.groups: int = getattr(kernel, "groups", 1)
+        self.packed_for_shape = getattr(kernel, "packed_for_shape", None)
         self.w_zero_point = torch.zeros(self.w_scale.shape[0], dtype=torch.int32)
         self._packed = packed if packed is not None else self._pack()
 
@@ -95,7 +98,7 @@ class _ScriptedOnednn(torch.nn.Module):
             self.returns_quantized, self.scale, self.zero_point, self.quant_low,
             self.quant_high, self.unary, self.unary_scalars, self.unary_algorithm,
             self.residual_add, self.stride, self.padding, self.dilation, self.groups,
-            self.training,
+            self.training, self.packed_for_shape,
         )  # fmt: skip
 
     @torch.jit.export
@@ -110,6 +113,7 @@ class _ScriptedOnednn(torch.nn.Module):
             state[14], state[15], state[16], state[17],
         )  # fmt: skip
         self.training = state[18]
+        self.packed_for_shape = state[19]
         self.w_zero_point = torch.zeros(self.w_scale.shape[0], dtype=torch.int32)
         self._packed = self._pack()
 
@@ -127,7 +131,7 @@ class ScriptedOnednnConv(_ScriptedOnednn):
     def _pack(self) -> torch.Tensor:
         return torch.ops.onednn.qconv_prepack(
             self.weight_int, self.w_scale, self.input_scale, self.input_zero_point,
-            self.stride, self.padding, self.dilation, self.groups, None,
+            self.stride, self.padding, self.dilation, self.groups, self.packed_for_shape,
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:

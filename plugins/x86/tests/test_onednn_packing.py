@@ -89,3 +89,23 @@ def test_a_symbolic_prepared_shape_packs_for_none() -> None:
     with torch.no_grad():
         # the last conv's output is float: the same integers, summed in another order
         torch.testing.assert_close(converted(x), reference(x), rtol=0, atol=1e-5)
+
+
+def test_torchscript_keeps_the_shape_through_save_and_load() -> None:
+    import io
+
+    example = torch.randn(2, 3, 8, 8)
+    converted = _converted("fx", example)
+    scripted = torch.jit.script(converted)
+    buffer = io.BytesIO()
+    torch.jit.save(scripted, buffer)
+    buffer.seek(0)
+    loaded = torch.jit.load(buffer)
+    shapes = [
+        m.packed_for_shape
+        for m in loaded.modules()
+        if m.original_name == "ScriptedOnednnConv"  # packed again on load
+    ]
+    assert shapes == [[2, 8, 8, 8]]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(example), converted(example), rtol=0, atol=0)
