@@ -370,7 +370,9 @@ class _Lowering:
                 index += 1
                 name = f"{base}_{index}"
         parent_name, _, attr = name.rpartition(".")
-        setattr(self.gm.get_submodule(parent_name) if parent_name else self.gm, attr, module)
+        parent = self.gm.get_submodule(parent_name) if parent_name else self.gm
+        module.train(parent.training)  # a kernel made in training mode joins an eval model
+        setattr(parent, attr, module)
         self.modules[name] = module
         root.op, root.target = "call_module", name
 
