@@ -22,6 +22,7 @@ from torch.fx import GraphModule, Node
 from qcore.config.errors import describe
 from qcore.engine.explain import Entry, Report, Status, attach_report
 from qcore.engine.observe import ObserverPlan, insert_observers
+from qcore.pt2e.aliasing import make_writes_visible
 from qcore.pt2e.backend_quantizer import PATTERN_KEY, REASON_KEY
 from qcore.pt2e.fold import fold_conv_bn, fold_linear_bn
 from qcore.pt2e.foreign import (
@@ -217,6 +218,7 @@ def _prepare_graph(
     """Annotate ``gm`` (modified in place, or replaced by the quantizer's transform),
     insert its observers, then prepare its control-flow subgraphs the same way."""
     foreign = isinstance(chosen, ForeignQuantizer)
+    make_writes_visible(gm)  # before any quantize/dequantize copies values apart
     if not is_qat:
         fold_conv_bn(gm)
         fold_linear_bn(gm)
