@@ -60,7 +60,8 @@ def test_a_view_made_before_an_in_place_write_sees_it(backend: str) -> None:
     assert exported.module().code == before  # the user's model is not rewritten
 
 
-def test_a_write_through_a_view_read_elsewhere_is_refused_with_the_way_out() -> None:
+@pytest.mark.parametrize("backend", backend_params(("fbgemm", "qnnpack", "x86")))
+def test_a_write_through_a_view_read_elsewhere_is_refused_with_the_way_out(backend: str) -> None:
     class WriteThroughView(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -74,4 +75,4 @@ def test_a_write_through_a_view_read_elsewhere_is_refused_with_the_way_out() -> 
     x = torch.randn(2, 4, 4, 4)
     exported = torch.export.export(WriteThroughView().eval(), (x,)).module()
     with pytest.raises(AliasedWriteError, match=r"add_.*run_decompositions\(\{\}\)"):
-        qcore.prepare_pt2e(exported, "x86")
+        qcore.prepare_pt2e(exported, backend)
