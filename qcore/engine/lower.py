@@ -597,12 +597,13 @@ def _update_report(gm: GraphModule, lowering: _Lowering) -> None:
 
 
 def _is_dequantize(node: Node) -> bool:
-    """A dequantize of any form: torch's method, qcore's ops, ``quantized_decomposed``'s
-    (an activation's, or a weight's in a weight-only pattern)."""
-    if _is_method(node, "dequantize"):
-        return True
-    name = getattr(node.target, "__name__", "") or str(node.target)
-    return node.op == "call_function" and "dequantize" in name
+    """A dequantize of a lowered graph: torch's method (an int8 value lowering made
+    float), or qcore's ops (a reference-form activation or weight left unlowered)."""
+    return (
+        _is_method(node, "dequantize")
+        or _is_call(node, ops.dequantize_per_tensor)
+        or _is_call(node, ops.dequantize_per_channel)
+    )
 
 
 def _float_producer(node: Node) -> Node | None:

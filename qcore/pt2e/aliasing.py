@@ -67,13 +67,14 @@ def _views_of(base: Node, before: Node, order: dict[Node, int]) -> list[Node]:
 
 def make_writes_visible(gm: GraphModule) -> int:
     """Rewrite ``gm`` (in place) so every read after an in-place write sees it; returns
-    how many views were made again. Raises :class:`AliasedWriteError` for a write
-    through a view whose memory is read afterwards."""
-    remade = 0
+    how many reads were moved onto a write's result. Raises :class:`AliasedWriteError`
+    for a write through a view whose memory is read afterwards."""
+    moved, order = 0, None
     for write in list(gm.graph.nodes):
         if not _writes_first_argument(write) or not isinstance(write.args[0], Node):
             continue
-        order = {node: index for index, node in enumerate(gm.graph.nodes)}
+        if order is None:  # again only after a rewrite inserted nodes
+            order = {node: index for index, node in enumerate(gm.graph.nodes)}
         target = write.args[0]
         if _is_view(target):
             base = target.args[0]
@@ -85,17 +86,20 @@ def make_writes_visible(gm: GraphModule) -> int:
                     f"copies values between them; {_FUNCTIONALIZE}"
                 )
             continue
-        remade += _remake_views(gm, write, target, order)
-    if remade:
+        made = _move_late_reads(gm, write, target, order)
+        if made:
+            moved, order = moved + made, None
+    if moved:
         gm.graph.lint()
         gm.recompile()
-    return remade
+    return moved
 
 
-def _remake_views(gm: GraphModule, write: Node, base: Node, order: dict[Node, int]) -> int:
+def _move_late_reads(gm: GraphModule, write: Node, base: Node, order: dict[Node, int]) -> int:
     """Each view of ``base`` made before ``write`` and read after it, made again from
-    ``write``'s result; the late reads go to the new view."""
-    remade, again = 0, {base: write}
+    ``write``'s result; the late reads go to the new view, as do late reads of ``base``
+    itself to ``write``. Returns how many reads moved."""
+    moved, again = 0, {base: write}
     anchor = write
     for view in _views_of(base, write, order):
         late = [u for u in view.users if order[u] > order[write]]
@@ -108,10 +112,11 @@ def _remake_views(gm: GraphModule, write: Node, base: Node, order: dict[Node, in
         again[view], anchor = new, new
         for user in late:
             user.replace_input_with(view, new)
-        remade += bool(late)
+        moved += len(late)
     for user in [u for u in base.users if u is not write and order[u] > order[write]]:
         user.replace_input_with(base, write)
+        moved += 1
     for new in reversed([node for view, node in again.items() if view is not base]):
         if not new.users:  # a link of a chain nothing late reads through
             gm.graph.erase_node(new)
-    return remade
+    return moved

@@ -128,6 +128,21 @@ def _prepared_input_shape(match: KernelMatch, conv: nn.Module) -> list[int] | No
     return None
 
 
+def _set_weight_qparams(kernel: PackedWeights) -> None:
+    """The per-output-channel weight scales and zero points oneDNN's calls take."""
+    channels = kernel.weight_int.shape[0]
+    kernel._w_scale = kernel.weight_scale.float().expand(channels).contiguous()
+    kernel._w_zero_point = torch.zeros(channels, dtype=torch.int32)
+
+
+def _prepack_conv(kernel: PackedWeights) -> torch.Tensor:
+    """A conv kernel's weight packed by oneDNN, for the input shape it was prepared with."""
+    return torch.ops.onednn.qconv_prepack(
+        kernel.weight_int, kernel._w_scale, *kernel._x, kernel.stride, kernel.padding,
+        kernel.dilation, kernel.groups, getattr(kernel, "packed_for_shape", None),
+    )  # fmt: skip
+
+
 class _OnednnWeighted(PackedWeights):
     """What the conv and linear kernels share: qparams at both ends, the post-ops."""
 
@@ -155,9 +170,7 @@ class _OnednnWeighted(PackedWeights):
 
     def repack(self) -> None:
         self._x = (float(self.input_scale), int(self.input_zero_point))
-        channels = self.weight_int.shape[0]
-        self._w_scale = self.weight_scale.float().expand(channels).contiguous()
-        self._w_zero_point = torch.zeros(channels, dtype=torch.int32)
+        _set_weight_qparams(self)
         super().repack()
 
     def _output_args(self) -> tuple:
@@ -219,11 +232,7 @@ class OnednnConv(_OnednnWeighted):
             )
         self.repack()
 
-    def pack(self):
-        return torch.ops.onednn.qconv_prepack(
-            self.weight_int, self._w_scale, *self._x, self.stride, self.padding,
-            self.dilation, self.groups, getattr(self, "packed_for_shape", None),
-        )  # fmt: skip
+    pack = _prepack_conv
 
     def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
         weight = (self._packed, self._w_scale, self._w_zero_point, self.bias)
@@ -310,16 +319,10 @@ class OnednnPackedConvAdd(QuantizedConv):
         self.residual_used_elsewhere = _residual_used_elsewhere(match.root)
 
     def repack(self) -> None:
-        channels = self.weight_int.shape[0]
-        self._w_scale = self.weight_scale.float().expand(channels).contiguous()
-        self._w_zero_point = torch.zeros(channels, dtype=torch.int32)
+        _set_weight_qparams(self)
         super().repack()
 
-    def pack(self):
-        return torch.ops.onednn.qconv_prepack(
-            self.weight_int, self._w_scale, *self._x, self.stride, self.padding,
-            self.dilation, self.groups, getattr(self, "packed_for_shape", None),
-        )  # fmt: skip
+    pack = _prepack_conv
 
     def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         # oneDNN sums into its accumulator in place, as conv2d_add into its residual: the
