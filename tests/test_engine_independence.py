@@ -319,6 +319,20 @@ def test_packing_holds_the_engine_for_its_whole_prepack_and_restores_it():
     assert torch.backends.quantized.engine == user_engine
 
 
+def test_a_setting_made_by_another_thread_while_packing_is_kept():
+    """The global is process-wide: a thread outside qcore may set it while a kernel
+    packs. qcore restores the setting it found only where the global still holds the
+    engine qcore set, so the other thread's later setting is not undone."""
+    engines = [e for e in ("fbgemm", "qnnpack", "x86", "onednn") if e in ENGINES]
+    if len(engines) < 3:
+        pytest.skip("needs three quantized engines")
+    mine, other, theirs = engines[:3]
+    with global_engine(theirs):
+        with packing_for(mine):
+            torch.backends.quantized.engine = other  # what the other thread does
+        assert torch.backends.quantized.engine == other
+
+
 class _FlattenThenMaxPool1d(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -144,7 +144,9 @@ def packing_for(engine: str) -> Iterator[None]:
         try:
             yield
         finally:
-            torch.backends.quantized.engine = previous
+            # A thread outside qcore may have set the global meanwhile: its setting stays.
+            if torch.backends.quantized.engine == engine:
+                torch.backends.quantized.engine = previous
 
 
 @contextlib.contextmanager
