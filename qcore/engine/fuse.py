@@ -110,6 +110,9 @@ def fuse_graph(
         # The root node becomes the fused module's node: it keeps its name,
         # which is the name explain and the user know it by.
         match.output.replace_all_uses_with(root)
+        for key in ("tensor_meta", "type"):  # what the probe recorded: the chain's output
+            if key in match.output.meta:
+                root.meta[key] = match.output.meta[key]
         for node in match.nodes:
             if node is not root:
                 if node.op == "call_module":

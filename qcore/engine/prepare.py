@@ -112,6 +112,8 @@ def _tensor_nodes(gm: GraphModule, example_inputs: tuple | None) -> set[Node]:
     """
     if example_inputs is None:
         return inferred_tensor_nodes(gm)
+    if all("type" in node.meta for node in gm.graph.nodes):  # trace's probe ran them
+        return {node for node in gm.graph.nodes if _holds_float(node.meta.get("tensor_meta"))}
     training = gm.training
     gm.eval()  # the probe run must not move batch-norm statistics
     copies = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, example_inputs)
@@ -209,7 +211,7 @@ def prepare(
 ) -> GraphModule:
     """``prepare_standalone(module, settings, qconfig)`` prepares a standalone submodule
     (needed when ``custom_config`` names any)."""
-    gm = trace(model, custom_config)
+    gm = trace(model, custom_config, example_inputs)
     if is_qat:
         gm.train()
     modules = dict(gm.named_modules(remove_duplicate=False))

@@ -17,6 +17,8 @@ from torch.fx import GraphModule, Tracer
 
 from qcore.config.errors import describe
 from qcore.engine.custom_config import CustomConfig, as_custom_config
+from qcore.engine.fidelity import probe, warn_if_unfaithful
+from qcore.engine.in_place import make_traced_writes_visible
 
 __all__ = [
     "CustomConfig",
@@ -71,8 +73,14 @@ def _without_float_functional_identities(model: torch.nn.Module) -> None:
             setattr(parent, attr, fx_float_functional())
 
 
-def trace(model: torch.nn.Module, custom_config: CustomConfig) -> GraphModule:
-    """Trace a deep copy of ``model``; the user's model is never touched."""
+def trace(
+    model: torch.nn.Module, custom_config: CustomConfig, example_inputs: tuple | None = None
+) -> GraphModule:
+    """Trace a deep copy of ``model``; the user's model is never touched.
+
+    In-place writes are made visible to every later read (:mod:`qcore.engine.in_place`).
+    Given example inputs, the traced graph is run against the copy's own forward, and
+    a difference is warned about (:mod:`qcore.engine.fidelity`)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: got {describe(model)}; expected a torch.nn.Module")
     model = copy.deepcopy(model)
@@ -93,7 +101,12 @@ def trace(model: torch.nn.Module, custom_config: CustomConfig) -> GraphModule:
             f"prepare_custom_config={{'non_traceable_module_name': [{name!r}]}} "
             f"or {{'non_traceable_module_class': [{cls.__name__}]}}"
         ) from error
-    return GraphModule(tracer.root, graph, type(model).__name__)
+    gm = GraphModule(tracer.root, graph, type(model).__name__)
+    probed = probe(gm, tracer.root, example_inputs) if example_inputs is not None else None
+    make_traced_writes_visible(gm, probed.storages if probed else None)
+    if probed is not None:
+        warn_if_unfaithful(gm, tracer.root, probed, example_inputs)
+    return gm
 
 
 def delete_unused_submodules(gm: GraphModule) -> None:

@@ -1,0 +1,228 @@
+"""The traced graph against the model's own forward, on the example inputs.
+
+A quantized model is made from the traced graph, so it can be no closer to the
+model than that graph is. torch.fx records ``a += b`` as ``a + b`` (a Proxy has no
+``__iadd__``): a view of ``a`` taken before it then misses the write, and the
+traced *float* graph is already wrong, 1.87 off on a range of 1.99 on a
+four-conv test (torch.ao's int8 model of it too, silently). :func:`probe` runs
+both on copies of the example inputs (random ops drawing the same numbers), and
+:func:`warn_if_unfaithful` names the first output and the first module whose
+values differ. The same run records where each value lives, which tells the
+in-place pass (:mod:`qcore.engine.in_place`) which nodes are views, and each
+node's shape and dtype, as ``ShapeProp`` would (prepare's probe reads them).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Interpreter, Node
+from torch.fx.node import map_aggregate
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+from torch.utils._pytree import tree_flatten, tree_map
+
+from qcore.config.errors import QCoreWarning, caller_stacklevel
+from qcore.engine.in_place import ProbedStorages
+
+__all__ = ["Probe", "probe", "warn_if_unfaithful"]
+
+_SEED = 0
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One run of the model's forward and of its traced graph on the same inputs."""
+
+    storages: ProbedStorages
+    eager_output: Any
+    traced_output: Any
+
+
+def _storages(value: Any) -> frozenset[int]:
+    if isinstance(value, torch.Tensor):  # most nodes: no pytree walk
+        pointer = value.untyped_storage().data_ptr() if value.layout == torch.strided else 0
+        return frozenset((pointer,)) if pointer else frozenset()
+    leaves, _ = tree_flatten(value)
+    found = set()
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
+            pointer = leaf.untyped_storage().data_ptr()
+            if pointer:
+                found.add(pointer)
+    return frozenset(found)
+
+
+class _RecordingInterpreter(Interpreter):
+    """Records where each node's result lives (and, asked to, each module's outputs)."""
+
+    def __init__(self, gm: GraphModule, *, keep_module_outputs: bool = False) -> None:
+        super().__init__(gm)
+        self.storages: dict[Node, frozenset[int]] = {}
+        self.tensors: set[Node] = set()
+        self.returns_input: set[Node] = set()
+        self.module_outputs: dict[str, list[Any]] | None = {} if keep_module_outputs else None
+
+    def run_node(self, node: Node) -> Any:
+        result = super().run_node(node)
+        _record_shapes(node, result)
+        # read now: the node's first argument is alive, so no fresh tensor can sit
+        # in its memory (values are freed after their last use)
+        self.storages[node] = _storages(result)
+        if isinstance(result, torch.Tensor):
+            self.tensors.add(node)
+        if node.op == "call_module":
+            first = node.args[0] if node.args and isinstance(node.args[0], Node) else None
+            if first is not None and result is self.env.get(first):
+                self.returns_input.add(node)
+            if self.module_outputs is not None:
+                self.module_outputs.setdefault(node.target, []).append(_detached(result))
+        return result
+
+
+def _record_shapes(node: Node, result: Any) -> None:
+    """What ``ShapeProp`` records (prepare reads it instead of probing again)."""
+    found = False
+
+    def tensor_meta(value: Any) -> Any:
+        nonlocal found
+        if isinstance(value, torch.Tensor):
+            found = True
+            return _extract_tensor_metadata(value)
+        return value
+
+    meta = map_aggregate(result, tensor_meta)
+    if found:
+        node.meta["tensor_meta"] = meta
+    node.meta["type"] = type(result)
+
+
+def _detached(value: Any) -> Any:
+    return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, value)
+
+
+def _copies(example_inputs: tuple) -> tuple:
+    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, example_inputs)
+
+
+def probe(gm: GraphModule, eager: torch.nn.Module, example_inputs: tuple) -> Probe | None:
+    """Run ``eager`` (the module ``gm`` was traced from, sharing its submodules) and
+    ``gm`` on copies of ``example_inputs``; None if either fails to run. Buffers
+    (batch-norm statistics in training mode) are as before when it returns."""
+    buffers = {name: buffer.clone() for name, buffer in gm.named_buffers()}
+    recorder = _RecordingInterpreter(gm)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_SEED)
+            eager_output = eager(*_copies(example_inputs))
+            torch.manual_seed(_SEED)
+            traced_output = recorder.run(*_copies(example_inputs))
+    except Exception:  # noqa: BLE001 - the user's forward: prepare's own probe says why
+        return None
+    finally:
+        _restore(gm, buffers)
+    storages = ProbedStorages(
+        recorder.storages, frozenset(recorder.tensors), frozenset(recorder.returns_input)
+    )
+    return Probe(storages, eager_output, traced_output)
+
+
+def _restore(gm: GraphModule, buffers: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, buffer in gm.named_buffers():
+            if name in buffers and buffer.shape == buffers[name].shape:
+                buffer.copy_(buffers[name])
+
+
+def _difference(traced: Any, eager: Any) -> tuple[float, float] | None:
+    """(largest difference, largest eager magnitude) where two outputs differ beyond
+    float rounding, else None."""
+    if not (isinstance(traced, torch.Tensor) and isinstance(eager, torch.Tensor)):
+        return None
+    if not (traced.is_floating_point() and eager.is_floating_point()):
+        return None if torch.equal(traced, eager) else (float("inf"), 0.0)
+    if traced.shape != eager.shape:
+        return (float("inf"), 0.0)
+    scale = float(eager.abs().nan_to_num(0.0, 0.0, 0.0).max()) if eager.numel() else 0.0
+    if torch.allclose(traced, eager, rtol=1e-4, atol=1e-5 * max(scale, 1.0), equal_nan=True):
+        return None
+    return float((traced - eager).abs().nan_to_num(float("inf")).max()), scale
+
+
+def _first_differing_module(gm: GraphModule, eager: torch.nn.Module, inputs: tuple) -> str | None:
+    """The first leaf module (in graph order) whose output differs between the runs,
+    found by running both again (only once a difference is known)."""
+    recorded: dict[str, list[Any]] = {}
+    recorder = _RecordingInterpreter(gm, keep_module_outputs=True)
+
+    def keep(name: str) -> Any:
+        return lambda _, __, out: recorded.setdefault(name, []).append(_detached(out))
+
+    called = {node.target for node in gm.graph.nodes if node.op == "call_module"}
+    handles = [eager.get_submodule(name).register_forward_hook(keep(name)) for name in called]
+    buffers = {name: buffer.clone() for name, buffer in gm.named_buffers()}
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_SEED)
+            eager(*_copies(inputs))
+        for handle in handles:
+            handle.remove()
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_SEED)
+            recorder.run(*_copies(inputs))
+    except Exception:  # noqa: BLE001 - they ran once already; nothing more to learn
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+        _restore(gm, buffers)
+    calls: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        index = calls[node.target] = calls.get(node.target, -1) + 1
+        mine = recorder.module_outputs[node.target][index]
+        theirs = recorded.get(node.target, [])
+        if index >= len(theirs):
+            return node.target
+        pairs = zip(tree_flatten(mine)[0], tree_flatten(theirs[index])[0], strict=False)
+        if any(_difference(a, b) is not None for a, b in pairs):
+            return node.target
+    return None
+
+
+def warn_if_unfaithful(
+    gm: GraphModule, eager: torch.nn.Module, probed: Probe, example_inputs: tuple
+) -> None:
+    """A QCoreWarning naming the first output, and the first leaf module, where the
+    traced graph's values differ from the model's forward on the example inputs."""
+    traced, _ = tree_flatten(probed.traced_output)
+    expected, _ = tree_flatten(probed.eager_output)
+    if len(traced) != len(expected):
+        return
+    for index, (mine, theirs) in enumerate(zip(traced, expected, strict=True)):
+        found = _difference(mine, theirs)
+        if found is None:
+            continue
+        module = _first_differing_module(gm, eager, example_inputs)
+        where = (
+            f"; the first module whose output differs is {module!r}, so the difference "
+            "arises in the code that feeds it"
+            if module
+            else ""
+        )
+        warnings.warn(
+            f"prepare: the traced graph does not compute what the model's forward does on "
+            f"the example inputs: output {index} differs by up to {found[0]:.3g} (values "
+            f"reach {found[1]:.3g}){where}. The quantized model is made from the traced "
+            "graph and would carry the difference. torch.fx traces an augmented assignment "
+            "on a tensor (a += b) as a + b, so a view of a taken before it misses the write: "
+            "write a.add_(b) (which qcore follows) or a = a + b; and it freezes Python "
+            "values (flags, random draws outside torch) at their traced values. Or keep the "
+            "code in float with prepare_custom_config={'non_traceable_module_name': [...]}.",
+            QCoreWarning,
+            stacklevel=caller_stacklevel(),
+        )
+        return
