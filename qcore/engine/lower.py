@@ -514,6 +514,7 @@ def lower(
     lowering = _Lowering(gm, kernels, backend, observed_ranges)
     lowering.run()
     _select_on_float16(gm)
+    _views_as_reshapes(gm)
     lowering.read_shapes_from_int8()
     gm.graph.eliminate_dead_code()
     lowering.qparams_to_buffers()
@@ -548,6 +549,32 @@ def _selects_values(node: Node, modules: dict) -> bool:
     if node.op == "call_module":
         return type(modules.get(node.target)) in SELECTING_PATTERNS
     return node.op in ("call_function", "call_method") and node.target in SELECTING_PATTERNS
+
+
+_RESHAPE_OF = {
+    ("call_method", "view"): "reshape",
+    ("call_method", "view_as"): "reshape_as",
+    ("call_function", torch.ops.aten.view.default): torch.ops.aten.reshape.default,
+}
+
+
+def _views_as_reshapes(gm: GraphModule) -> None:
+    """Every ``view`` to a shape becomes ``reshape``.
+
+    torch's int8 convolutions return channels-last tensors, on which ``view(n, -1)``
+    fails ("view size is not compatible with input tensor's size and stride"):
+    ``conv -> add -> view`` crashed on every backend, as it does on torch.ao.
+    ``reshape`` is the same view wherever one exists and copies where none does;
+    the copy cannot hide a write, since in-place writes through views were made
+    explicit before quantizing (:mod:`qcore.engine.aliasing`).
+    """
+    for node in gm.graph.nodes:
+        reshape = _RESHAPE_OF.get((node.op, node.target))
+        if reshape is None:
+            continue
+        if any(isinstance(arg, torch.dtype) for arg in node.args[1:]):
+            continue  # view(dtype) reinterprets bits; it has no reshape
+        node.target = reshape
 
 
 def _select_on_float16(gm: GraphModule) -> None:
