@@ -277,14 +277,20 @@ def _run_qcore(model: nn.Module, data: list[torch.Tensor]):
 
 
 def assert_as_accurate(expected, ours, peer, case) -> None:
-    """qcore's reference form is at least as accurate as torch.ao's (-0.5 dB); its
-    lowered model at least as accurate as its own reference form or as torch.ao's
-    lowered model: its kernels either follow its reference, or, where the CPU
-    cannot (int8 sums of 8-bit activations saturate without VNNI), do no worse
-    than torch.ao's kernels on the same CPU."""
+    """qcore's reference form is at least as accurate as one of torch.ao's forms
+    (-0.5 dB); its lowered model at least as accurate as its own reference form or
+    as torch.ao's lowered model: its kernels either follow its reference, or, where
+    the CPU cannot (int8 sums of 8-bit activations saturate without VNNI), do no
+    worse than torch.ao's kernels on the same CPU.
+
+    One of torch.ao's forms: after a scalar product torch.ao's reference shares the
+    input's observer, while its mul_scalar kernel scales exactly, as qcore's
+    reference does. There its reference is not what its lowered model computes,
+    and lands its rounding elsewhere, 1.5 dB either way (hardsigmoid, x * 0.5:
+    torch.ao 41.1 reference, 39.6 lowered; qcore 39.6 both)."""
     reference_db, lowered_db = sqnr(expected, ours[0]), sqnr(expected, ours[1])
     peer_reference_db, peer_lowered_db = sqnr(expected, peer[0]), sqnr(expected, peer[1])
-    assert reference_db >= peer_reference_db - TOLERANCE_DB, (
+    assert reference_db >= min(peer_reference_db, peer_lowered_db) - TOLERANCE_DB, (
         f"reference: qcore {reference_db:.1f} dB, torch.ao {peer_reference_db:.1f} dB on {case}"
     )
     assert lowered_db >= min(reference_db, peer_lowered_db) - TOLERANCE_DB, (
@@ -293,18 +299,24 @@ def assert_as_accurate(expected, ours, peer, case) -> None:
     )
 
 
-@settings(
-    max_examples=60,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
+GENERATED = settings(
+    max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )
-@given(parts=models)
-def test_generated_graphs_match_torch_ao(parts):
+"""How many generated models each path is tried on (test_pt2e_generated_vs_torchao too)."""
+
+
+def float_case(parts) -> tuple[nn.Module, list[torch.Tensor], torch.Tensor]:
+    """The model ``parts`` describes, its data, and its float output on data[0]."""
     model = _build(parts)
     data = _data()
     with torch.no_grad():
-        expected = model(data[0].clone())
+        return model, data, model(data[0].clone())
+
+
+@GENERATED
+@given(parts=models)
+def test_generated_graphs_match_torch_ao(parts):
+    model, data, expected = float_case(parts)
     peer = _run_torch_ao(model, data)
     if peer is None:
         return  # torch.ao cannot quantize it either
@@ -330,7 +342,7 @@ def test_every_activation_form_after_conv_and_linear(activation):
     "scalars",
     [
         # x * 0.5 derives its qparams (exact); x + 3 shared them, which observe
-        # nothing, and was clipped: 15.7 dB against torch.ao's 43.8
+        # nothing, and was clipped: 15.7 dB against torch.ao's lowered 40.7
         ("x * 0.5", "x + 3", "x + 3"),
         # x * 0.5 * 0.5 shared the first product's: its lowered form 29.3 dB
         # against torch.ao's lowered 36.3
@@ -339,9 +351,15 @@ def test_every_activation_form_after_conv_and_linear(activation):
     ids=" then ".join,
 )
 def test_scalar_arithmetic_after_a_derived_product(scalars):
-    """Found by the generator above."""
+    """Found by the generator above. Both forms of qcore against torch.ao's lowered
+    model, what its users run: torch.ao's reference form shares one observer along
+    the chain and lands its rounding elsewhere (43.8 dB on the first chain, where
+    its own kernels give 40.7), a difference of where steps fall, not of clipping."""
     model = _build(([Step("scalar", scalar=op) for op in scalars], ("relu", "module")))
     data = _data()
     with torch.no_grad():
         expected = model(data[0].clone())
-    assert_as_accurate(expected, _run_qcore(model, data), _run_torch_ao(model, data), scalars)
+    reference, lowered = _run_qcore(model, data)
+    peer_lowered_db = sqnr(expected, _run_torch_ao(model, data)[1])
+    assert sqnr(expected, reference) >= peer_lowered_db - TOLERANCE_DB
+    assert sqnr(expected, lowered) >= peer_lowered_db - TOLERANCE_DB
