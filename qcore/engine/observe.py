@@ -255,6 +255,7 @@ def insert_observers(
     observe_edge: Callable[[Node, Node], bool] | None = None,
     observe_output: Callable[[Node], bool] | None = None,
     before_rewire: Callable[[ObserverPlan], None] | None = None,
+    recompile: bool = True,
 ) -> ObserverPlan:
     """Insert one observer per sharing group; returns which observer serves which point.
 
@@ -265,7 +266,8 @@ def insert_observers(
     the PT2E path leaves out the destination of an in-place op on a buffer, and
     outputs that are not tensors. ``before_rewire(plan)`` runs once the observers
     are attributes of ``gm`` and before the graph calls them (a quantizer's
-    callback may replace them there, as torchao's prepare lets it).
+    callback may replace them there, as torchao's prepare lets it). ``recompile=False``
+    leaves regenerating ``gm``'s code to a caller that rewrites the graph again.
     """
     specs: dict[Point, QuantizationSpecBase] = {}
     graph_nodes = set(gm.graph.nodes)
@@ -338,7 +340,8 @@ def insert_observers(
     if before_rewire is not None:
         before_rewire(plan)
     _rewire(gm, plan, observe_edge, observe_output)
-    gm.recompile()
+    if recompile:
+        gm.recompile()
     return plan
 
 

@@ -241,7 +241,7 @@ def prepare(
     _attach_qconfigs(gm, qconfigs)
     if is_qat:
         _swap_qat_modules(gm, decisions)
-    plan = insert_observers(gm, annotations, make_fixed)
+    plan = insert_observers(gm, annotations, make_fixed, recompile=False)  # renaming does
     for node in gm.graph.nodes:
         if node.name not in entries:  # the observers just inserted
             entries[node.name] = Entry(node.name, "observer", Status.NOT_AN_OP)

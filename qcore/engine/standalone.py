@@ -213,6 +213,8 @@ def convert_standalone_modules(
     convert_one: ConvertOne,
 ) -> None:
     """Convert each standalone module of ``converted`` and wire its int8 interface."""
+    if not calls:
+        return  # most models: no pass over the graph, no recompile
     nodes = {node.name: node for node in converted.graph.nodes}
     done: dict[str, GraphModule] = {}
     for call in calls:
