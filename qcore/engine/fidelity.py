@@ -219,9 +219,10 @@ def warn_if_unfaithful(
             f"reach {found[1]:.3g}){where}. The quantized model is made from the traced "
             "graph and would carry the difference. torch.fx traces an augmented assignment "
             "on a tensor (a += b) as a + b, so a view of a taken before it misses the write: "
-            "write a.add_(b) (which qcore follows) or a = a + b; and it freezes Python "
-            "values (flags, random draws outside torch) at their traced values. Or keep the "
-            "code in float with prepare_custom_config={'non_traceable_module_name': [...]}.",
+            "write a.add_(b), which keeps the meaning and which qcore follows. It also "
+            "freezes Python values (flags, random draws outside torch) at their traced "
+            "values. Or keep the code in float with "
+            "prepare_custom_config={'non_traceable_module_name': [...]}.",
             QCoreWarning,
             stacklevel=caller_stacklevel(),
         )
