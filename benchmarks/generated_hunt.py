@@ -1,0 +1,131 @@
+"""Hunt for accuracy gaps on random generated graphs, qcore against its peer.
+
+    python benchmarks/generated_hunt.py [--path fx|pt2e] [--backend x86] [--models 200]
+                                        [--max-steps 6] [--seed 0] [--tolerance 1.5]
+
+The models are the ones ``tests/test_properties_vs_torch_ao.py`` generates (each
+activation family in each form after a conv, modules called twice, residuals
+reused, sizes and lists, bool masks, scalar arithmetic, in-place writes), drawn at
+random and longer than the tests' (which run a fixed, derandomized sample in CI).
+FX is compared with torch.ao FX under torch.ao's own default QConfigMapping for the
+backend; PT2E with torchao's X86InductorQuantizer (``--backend x86`` only). Each
+model whose qcore SQNR (reference or lowered, the worse) is more than
+``--tolerance`` dB below the peer's lowered model is printed, as a line to paste
+into a test. Not a test: a search.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import math
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import test_properties_vs_torch_ao as generated  # noqa: E402
+from test_properties_vs_torch_ao import Step  # noqa: E402
+
+KINDS = ("called_twice", "residual_reused", "view_list", "mask", "write_ignored")
+KINDS += ("view_before_write",)
+
+
+def random_parts(rng: random.Random, max_steps: int) -> tuple[list[Step], tuple[str, str]]:
+    steps = []
+    for _ in range(rng.randint(1, max_steps)):
+        draw = rng.random()
+        if draw < 0.4:
+            steps.append(Step("conv_act", activation=rng.choice(generated.ACTIVATION_FORMS)))
+        elif draw < 0.7:
+            steps.append(Step("scalar", scalar=rng.choice(generated.SCALAR_OPS)))
+        else:
+            steps.append(Step(rng.choice(KINDS)))
+    return steps, rng.choice(generated.ACTIVATION_FORMS)
+
+
+def fx_sides(backend: str):
+    import warnings
+
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    import qcore
+
+    def calibrated(prepared, data):
+        with torch.no_grad():
+            for batch in data:
+                prepared(batch.clone())
+        return prepared
+
+    def peer(model, data):
+        previous = torch.backends.quantized.engine
+        try:
+            # torch.fx prints a failing generated forward's traceback to stderr
+            with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+                warnings.simplefilter("ignore")
+                torch.backends.quantized.engine = backend
+                mapping = get_default_qconfig_mapping(backend)
+                converted = convert_fx(calibrated(prepare_fx(model, mapping, (data[0],)), data))
+                with torch.no_grad():
+                    return converted(data[0].clone())
+        except Exception:  # noqa: BLE001 - the peer failing excuses qcore from the model
+            return None
+        finally:
+            torch.backends.quantized.engine = previous
+
+    def ours(model, data):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mapping = get_default_qconfig_mapping(backend)
+            prepared = calibrated(
+                qcore.prepare_fx(model, mapping, (data[0],), backend=backend), data
+            )
+        forms = qcore.convert_to_reference_fx(prepared), qcore.convert_fx(prepared)
+        with torch.no_grad():
+            return [form(data[0].clone()) for form in forms]
+
+    return peer, ours
+
+
+def pt2e_sides(backend: str):
+    import test_pt2e_generated_vs_torchao as pt2e
+
+    if backend != "x86":
+        raise SystemExit("--path pt2e compares with torchao's X86InductorQuantizer: --backend x86")
+    return pt2e._torchao, lambda model, data: list(pt2e._qcore(model, data))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--path", choices=("fx", "pt2e"), default="fx")
+    parser.add_argument("--backend", default="x86")
+    parser.add_argument("--models", type=int, default=200)
+    parser.add_argument("--max-steps", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tolerance", type=float, default=1.5)
+    args = parser.parse_args(argv)
+    peer, ours = (fx_sides if args.path == "fx" else pt2e_sides)(args.backend)
+    rng = random.Random(args.seed)
+    compared = skipped = 0
+    for _ in range(args.models):
+        parts = random_parts(rng, args.max_steps)
+        model, data, expected = generated.float_case(parts)
+        theirs = peer(model, data)
+        if theirs is None:
+            skipped += 1
+            continue
+        compared += 1
+        mine = min(generated.sqnr(expected, output) for output in ours(model, data))
+        gap = mine - generated.sqnr(expected, theirs)
+        if math.isfinite(gap) and gap < -args.tolerance:
+            print(f"{gap:+.1f} dB: {parts!r}")
+    print(f"{args.path} {args.backend}: {compared} compared, {skipped} the peer could not run")
+
+
+if __name__ == "__main__":
+    main()
