@@ -466,10 +466,17 @@ def _scalar_qparams(
     info = torch.iinfo(storage_dtype(dtype))
     if root.target in _SCALAR_PRODUCTS:  # exact from x's qparams, observed or derived
         return ScaledQParams(float(numbers_[0]), info.min, info.max)
-    derived = isinstance(_resolved(tensors[0], annotations), DerivedQuantizationSpec)
-    if root.target in _SCALAR_SUMS and (derived or _has_fixed_qparams(tensors[0], annotations)):
+    if root.target in _SCALAR_SUMS and _cannot_widen(tensors[0], annotations):
         return ShiftedQParams(float(numbers_[0]), info.min, info.max)
     return None
+
+
+def _cannot_widen(node: Node, annotations: dict[Node, QuantizationAnnotation]) -> bool:
+    """``node``'s qparams come from no observer that sees its values: fixed ones
+    (tanh, sigmoid), or derived from another's (``x * 0.5``)."""
+    if isinstance(_resolved(node, annotations), DerivedQuantizationSpec):
+        return True
+    return _has_fixed_qparams(node, annotations)
 
 
 @dataclass(frozen=True)

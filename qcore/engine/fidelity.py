@@ -14,7 +14,9 @@ node's shape and dtype, as ``ShapeProp`` would (prepare's probe reads them).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from qcore.config.errors import QCoreWarning, caller_stacklevel
 from qcore.engine.in_place import ProbedStorages
 
-__all__ = ["Probe", "probe", "warn_if_unfaithful"]
+__all__ = ["Probe", "cloned", "probe", "warn_if_unfaithful"]
 
 _SEED = 0
 
@@ -78,7 +80,7 @@ class _RecordingInterpreter(Interpreter):
             if first is not None and result is self.env.get(first):
                 self.returns_input.add(node)
             if self.module_outputs is not None:
-                self.module_outputs.setdefault(node.target, []).append(_detached(result))
+                self.module_outputs.setdefault(node.target, []).append(cloned(result))
         return result
 
 
@@ -99,41 +101,48 @@ def _record_shapes(node: Node, result: Any) -> None:
     node.meta["type"] = type(result)
 
 
-def _detached(value: Any) -> Any:
+def cloned(value: Any) -> Any:
+    """``value`` with every tensor in it detached and copied: a run on it, or a record
+    of it, shares no memory with the caller's tensors or the model's."""
     return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, value)
 
 
-def _copies(example_inputs: tuple) -> tuple:
-    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, example_inputs)
+@contextlib.contextmanager
+def _leaving_no_trace(gm: GraphModule) -> Iterator[None]:
+    """No autograd, the global RNG as before, and ``gm``'s buffers (batch-norm statistics
+    in training mode; the eager module shares them) as before, once the block ends."""
+    buffers = {name: buffer.clone() for name, buffer in gm.named_buffers()}
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        with torch.no_grad():
+            for name, buffer in gm.named_buffers():
+                if name in buffers and buffer.shape == buffers[name].shape:
+                    buffer.copy_(buffers[name])
+
+
+def _seeded_run(function: Callable[..., Any], inputs: tuple) -> Any:
+    """``function`` on copies of ``inputs``, its random ops drawing the same numbers as
+    every other seeded run's."""
+    torch.manual_seed(_SEED)
+    return function(*cloned(inputs))
 
 
 def probe(gm: GraphModule, eager: torch.nn.Module, example_inputs: tuple) -> Probe | None:
     """Run ``eager`` (the module ``gm`` was traced from, sharing its submodules) and
-    ``gm`` on copies of ``example_inputs``; None if either fails to run. Buffers
-    (batch-norm statistics in training mode) are as before when it returns."""
-    buffers = {name: buffer.clone() for name, buffer in gm.named_buffers()}
+    ``gm`` on copies of ``example_inputs``; None if either fails to run."""
     recorder = _RecordingInterpreter(gm)
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_SEED)
-            eager_output = eager(*_copies(example_inputs))
-            torch.manual_seed(_SEED)
-            traced_output = recorder.run(*_copies(example_inputs))
+        with _leaving_no_trace(gm):
+            eager_output = _seeded_run(eager, example_inputs)
+            traced_output = _seeded_run(recorder.run, example_inputs)
     except Exception:  # noqa: BLE001 - the user's forward: prepare's own probe says why
         return None
-    finally:
-        _restore(gm, buffers)
     storages = ProbedStorages(
         recorder.storages, frozenset(recorder.tensors), frozenset(recorder.returns_input)
     )
     return Probe(storages, eager_output, traced_output)
-
-
-def _restore(gm: GraphModule, buffers: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for name, buffer in gm.named_buffers():
-            if name in buffers and buffer.shape == buffers[name].shape:
-                buffer.copy_(buffers[name])
 
 
 def _difference(traced: Any, eager: Any) -> tuple[float, float] | None:
@@ -158,26 +167,23 @@ def _first_differing_module(gm: GraphModule, eager: torch.nn.Module, inputs: tup
     recorder = _RecordingInterpreter(gm, keep_module_outputs=True)
 
     def keep(name: str) -> Any:
-        return lambda _, __, out: recorded.setdefault(name, []).append(_detached(out))
+        return lambda _, __, out: recorded.setdefault(name, []).append(cloned(out))
 
     called = {node.target for node in gm.graph.nodes if node.op == "call_module"}
-    handles = [eager.get_submodule(name).register_forward_hook(keep(name)) for name in called]
-    buffers = {name: buffer.clone() for name, buffer in gm.named_buffers()}
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_SEED)
-            eager(*_copies(inputs))
-        for handle in handles:
-            handle.remove()
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_SEED)
-            recorder.run(*_copies(inputs))
+        with _leaving_no_trace(gm):
+            # the hooks sit on modules the traced graph calls too: off before it runs
+            handles = [
+                eager.get_submodule(name).register_forward_hook(keep(name)) for name in called
+            ]
+            try:
+                _seeded_run(eager, inputs)
+            finally:
+                for handle in handles:
+                    handle.remove()
+            _seeded_run(recorder.run, inputs)
     except Exception:  # noqa: BLE001 - they ran once already; nothing more to learn
         return None
-    finally:
-        for handle in handles:
-            handle.remove()
-        _restore(gm, buffers)
     calls: dict[str, int] = {}
     for node in gm.graph.nodes:
         if node.op != "call_module":

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
-from torch.utils._pytree import tree_map
 
 from qcore.config import BackendConfig, BackendPatternConfig, DTypeConfig
 from qcore.config.compat import observer_facts_reused
@@ -25,6 +24,7 @@ from qcore.engine.boundaries import output_values
 from qcore.engine.collector import collector_paused
 from qcore.engine.custom_modules import CustomCall, swap_observed
 from qcore.engine.explain import Entry, Report, Status, attach_report
+from qcore.engine.fidelity import cloned
 from qcore.engine.float_islands import gains_nothing
 from qcore.engine.fuse import fuse_graph
 from qcore.engine.infer import inferred_tensor_nodes
@@ -113,13 +113,12 @@ def _tensor_nodes(gm: GraphModule, example_inputs: tuple | None) -> set[Node]:
     if example_inputs is None:
         return inferred_tensor_nodes(gm)
     if all("type" in node.meta for node in gm.graph.nodes):  # trace's probe ran them
-        return {node for node in gm.graph.nodes if _holds_float(node.meta.get("tensor_meta"))}
+        return _float_valued(gm)
     training = gm.training
     gm.eval()  # the probe run must not move batch-norm statistics
-    copies = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, example_inputs)
     try:
         with torch.no_grad():
-            ShapeProp(gm).propagate(*copies)
+            ShapeProp(gm).propagate(*cloned(example_inputs))
     except Exception as error:  # noqa: BLE001 - any failure of the user's forward
         warnings.warn(
             f"prepare: the example inputs did not run through the model "
@@ -131,6 +130,11 @@ def _tensor_nodes(gm: GraphModule, example_inputs: tuple | None) -> set[Node]:
         return inferred_tensor_nodes(gm)
     finally:
         gm.train(training)
+    return _float_valued(gm)
+
+
+def _float_valued(gm: GraphModule) -> set[Node]:
+    """The nodes a probe run recorded a floating-point value for."""
     return {node for node in gm.graph.nodes if _holds_float(node.meta.get("tensor_meta"))}
 
 

@@ -316,8 +316,8 @@ DEQUANTIZE_OPS = (
 
 
 def duplicate_dequantize(gm: GraphModule, *, annotated_users_only: bool = True) -> int:
-    """Give users of a shared dequantize their own copy, the graph torchao's
-    convert_pt2e emits (qcore's pass; torchao is not called): each user carrying a
+    """Give users of a shared dequantize their own copy, the graph shape torchao's
+    convert_pt2e also produces (this pass is qcore's own): each user carrying a
     quantization annotation (with
     ``annotated_users_only=False``, an FX graph, which has none: each user but the
     graph's output), shape queries aside; a dynamic quantization's dequantize
