@@ -11,7 +11,8 @@ onednn). qcore's kernels carry their engine, so:
 * 8 threads converting and running models of different backends at once give
   outputs bit-identical to single-threaded runs;
 * converting (packing weights for a kernel's engine is the one place qcore sets the
-  global, under a lock) leaves the user's engine setting as it was.
+  global, under a lock) leaves the user's engine setting as it was, and running a
+  converted model never sets it.
 """
 
 from __future__ import annotations
@@ -46,6 +47,24 @@ def global_engine(engine: str) -> Iterator[None]:
         yield
     finally:
         torch.backends.quantized.engine = previous
+
+
+@contextmanager
+def engine_settings_recorded() -> Iterator[list[int]]:
+    """Every setting of the global engine made in the block, by whatever code (the
+    property ``torch.backends.quantized.engine = ...`` goes through this function)."""
+    settings: list[int] = []
+    original = torch._C._set_qengine
+
+    def recording(engine_id: int) -> None:
+        settings.append(engine_id)
+        original(engine_id)
+
+    torch._C._set_qengine = recording
+    try:
+        yield settings
+    finally:
+        torch._C._set_qengine = original
 
 
 def _outputs(model: torch.nn.Module, inputs: tuple) -> list[torch.Tensor]:
@@ -101,7 +120,9 @@ def test_zoo_model_outputs_are_the_same_under_every_global_engine(name, path, ba
     converted = _convert(name, backend, path)
     assert torch.backends.quantized.engine == user_engine, "converting changed the engine"
     inputs = ZOO[name].calibration_data(1, seed=5)[0]
-    expected = _outputs(converted, inputs)
+    with engine_settings_recorded() as settings:
+        expected = _outputs(converted, inputs)
+    assert settings == [], "running the converted model set the global engine"
     buffer = io.BytesIO()
     torch.save(converted, buffer)
     differing = {}
