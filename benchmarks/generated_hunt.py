@@ -11,7 +11,8 @@ FX is compared with torch.ao FX under torch.ao's own default QConfigMapping for 
 backend; PT2E with torchao's X86InductorQuantizer (``--backend x86`` only). Each
 model whose qcore SQNR (reference or lowered, the worse) is more than
 ``--tolerance`` dB below the peer's lowered model is printed, as a line to paste
-into a test. Not a test: a search.
+into a test, and so is each model qcore fails on where the peer runs. Not a test:
+a search.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ import math
 import random
 import sys
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -49,45 +48,17 @@ def random_parts(rng: random.Random, max_steps: int) -> tuple[list[Step], tuple[
 
 
 def fx_sides(backend: str):
-    import warnings
-
-    from torch.ao.quantization import get_default_qconfig_mapping
-    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
-
-    import qcore
-
-    def calibrated(prepared, data):
-        with torch.no_grad():
-            for batch in data:
-                prepared(batch.clone())
-        return prepared
+    """(peer, ours): torch.ao's lowered output, and qcore's reference and lowered ones,
+    as the CI test runs them (torch.ao's default mapping for the backend)."""
 
     def peer(model, data):
-        previous = torch.backends.quantized.engine
-        try:
-            # torch.fx prints a failing generated forward's traceback to stderr
-            with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
-                warnings.simplefilter("ignore")
-                torch.backends.quantized.engine = backend
-                mapping = get_default_qconfig_mapping(backend)
-                converted = convert_fx(calibrated(prepare_fx(model, mapping, (data[0],)), data))
-                with torch.no_grad():
-                    return converted(data[0].clone())
-        except Exception:  # noqa: BLE001 - the peer failing excuses qcore from the model
-            return None
-        finally:
-            torch.backends.quantized.engine = previous
+        # torch.fx prints a failing generated forward's traceback to stderr
+        with contextlib.redirect_stderr(io.StringIO()):
+            outputs = generated._run_torch_ao(model, data, backend)
+        return None if outputs is None else outputs[1]
 
     def ours(model, data):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            mapping = get_default_qconfig_mapping(backend)
-            prepared = calibrated(
-                qcore.prepare_fx(model, mapping, (data[0],), backend=backend), data
-            )
-        forms = qcore.convert_to_reference_fx(prepared), qcore.convert_fx(prepared)
-        with torch.no_grad():
-            return [form(data[0].clone()) for form in forms]
+        return list(generated._run_qcore(model, data, backend))
 
     return peer, ours
 
@@ -120,7 +91,11 @@ def main(argv: list[str] | None = None) -> None:
             skipped += 1
             continue
         compared += 1
-        mine = min(generated.sqnr(expected, output) for output in ours(model, data))
+        try:
+            mine = min(generated.sqnr(expected, output) for output in ours(model, data))
+        except Exception as error:  # noqa: BLE001 - where the peer runs, qcore must too
+            print(f"qcore fails ({type(error).__name__}: {error}): {parts!r}")
+            continue
         gap = mine - generated.sqnr(expected, theirs)
         if math.isfinite(gap) and gap < -args.tolerance:
             print(f"{gap:+.1f} dB: {parts!r}")

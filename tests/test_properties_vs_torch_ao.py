@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from backends import requires_fbgemm
+from backends import backend_params, requires_fbgemm
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -33,6 +33,7 @@ from torch.ao.quantization.quantize_fx import convert_to_reference_fx as ao_refe
 from torch.ao.quantization.quantize_fx import prepare_fx as ao_prepare_fx
 
 import qcore
+from qcore.kernels.runtime import using_engine
 
 pytestmark = requires_fbgemm
 
@@ -238,11 +239,12 @@ def _data() -> list[torch.Tensor]:
     return [torch.randn(2, CHANNELS, SIDE, SIDE, generator=generator) for _ in range(4)]
 
 
-def _run_torch_ao(model: nn.Module, data: list[torch.Tensor]):
-    """torch.ao's (reference, lowered) outputs on data[0], or None where torch.ao fails."""
-    mapping = get_default_qconfig_mapping("fbgemm")
+def _run_torch_ao(model: nn.Module, data: list[torch.Tensor], backend: str = "fbgemm"):
+    """torch.ao's (reference, lowered) outputs on data[0] under its own default mapping
+    and quantized engine for ``backend``, or None where torch.ao fails."""
+    mapping = get_default_qconfig_mapping(backend)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), using_engine(backend):
             warnings.simplefilter("ignore")
             prepared = ao_prepare_fx(model, mapping, (data[0].clone(),))
             with torch.no_grad():
@@ -262,11 +264,12 @@ def _copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module)
 
 
-def _run_qcore(model: nn.Module, data: list[torch.Tensor]):
-    mapping = get_default_qconfig_mapping("fbgemm")  # torch.ao's own, the same mapping
+def _run_qcore(model: nn.Module, data: list[torch.Tensor], backend: str = "fbgemm"):
+    """qcore's (reference, lowered) outputs on data[0], with torch.ao's own mapping."""
+    mapping = get_default_qconfig_mapping(backend)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", qcore.QCoreWarning)
-        prepared = qcore.prepare_fx(model, mapping, (data[0].clone(),), backend="fbgemm")
+        prepared = qcore.prepare_fx(model, mapping, (data[0].clone(),), backend=backend)
     with torch.no_grad():
         for batch in data:
             prepared(batch.clone())
@@ -313,14 +316,19 @@ def float_case(parts) -> tuple[nn.Module, list[torch.Tensor], torch.Tensor]:
         return model, data, model(data[0].clone())
 
 
+#: fbgemm, and onednn for its fusions (conv-add, linear-leaky_relu) no other backend has.
+GENERATED_BACKENDS = backend_params(("fbgemm", "onednn"))
+
+
+@pytest.mark.parametrize("backend", GENERATED_BACKENDS)
 @GENERATED
 @given(parts=models)
-def test_generated_graphs_match_torch_ao(parts):
+def test_generated_graphs_match_torch_ao(backend, parts):
     model, data, expected = float_case(parts)
-    peer = _run_torch_ao(model, data)
+    peer = _run_torch_ao(model, data, backend)
     if peer is None:
         return  # torch.ao cannot quantize it either
-    assert_as_accurate(expected, _run_qcore(model, data), peer, parts)
+    assert_as_accurate(expected, _run_qcore(model, data, backend), peer, (backend, parts))
 
 
 @pytest.mark.parametrize("activation", ACTIVATION_FORMS, ids="-".join)

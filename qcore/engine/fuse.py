@@ -16,6 +16,7 @@ output was (the extra inputs may be computed after the root op).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -84,13 +85,17 @@ def fuse_graph(
         return 0
     modules = dict(gm.named_modules(remove_duplicate=False))
     matches = {id(m): m for m in find_matches(list(gm.graph.nodes), rules, modules).values()}
+    calls = Counter(node.target for node in gm.graph.nodes if node.op == "call_module")
     count = 0
     fused_away: set[str] = set()
     for match in matches.values():
         if len(match.nodes) < 2:
             continue
         root = match.root if match.config._root_node_getter is not None else match.nodes[-1]
-        if root.op != "call_module":
+        if root.op != "call_module" or calls[root.target] > 1:
+            # The fused module replaces the root module under its name, so every
+            # other call of that module would run the fusion too (a BatchNorm
+            # folded in, a relu, an add short of an input): such a root stays unfused.
             continue
         getter = match.config._extra_inputs_getter
         extra_inputs = list(getter(match.nested)) if getter is not None else []
