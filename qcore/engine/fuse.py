@@ -11,7 +11,9 @@ the root module's name (the first module, or the config's ``root_node_getter``'s
 A rule with an ``extra_inputs_getter`` (torch.ao's ``conv -> add(other)``)
 fuses an op with another input: the getter returns those input nodes, which
 become extra arguments of the fused module's call, placed where the pattern's
-output was (the extra inputs may be computed after the root op).
+output was (the extra inputs may be computed after the root op). An extra input
+that broadcasts to the output is left out: the kernels sum into an accumulator
+of the output's shape.
 """
 
 from __future__ import annotations
@@ -63,6 +65,18 @@ def _nested_modules(nested: Any, pattern: Any, modules: dict[str, torch.nn.Modul
     return module if module is not None else nested.target
 
 
+def _same_shape(extra: Any, output: Node) -> bool:
+    """Whether an extra input of a fusion (the other operand of ``conv -> add``) has the
+    fused output's shape as the probe recorded them, or either is unknown. The fused
+    kernels sum into an accumulator of their output's shape: an operand that
+    broadcasts (a per-channel parameter, a pooled ``(N, C, 1, 1)`` tensor) stays a
+    separate add."""
+    shapes = [
+        getattr(getattr(n, "meta", {}).get("tensor_meta"), "shape", None) for n in (extra, output)
+    ]
+    return None in shapes or shapes[0] == shapes[1]
+
+
 def _set_module(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
     parent_name, _, attr = name.rpartition(".")
     setattr(root.get_submodule(parent_name) if parent_name else root, attr, module)
@@ -99,6 +113,8 @@ def fuse_graph(
             continue
         getter = match.config._extra_inputs_getter
         extra_inputs = list(getter(match.nested)) if getter is not None else []
+        if not all(_same_shape(extra, match.output) for extra in extra_inputs):
+            continue
         if match.config.pattern is not None:
             parts = [_as_module(node, modules) for node in reversed(match.nodes)]
             if any(part is None for part in parts):

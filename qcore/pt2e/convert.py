@@ -36,7 +36,7 @@ from qcore.pt2e.prepare import (
     quiet_deepcopy,
 )
 from qcore.pt2e.qdq import duplicate_dequantize, fold_quantized_constants, replace_observer
-from qcore.pt2e.reference import to_reference_modules
+from qcore.pt2e.reference import UNFUSED_ADD_KEY, to_reference_modules
 
 __all__ = ["convert_pt2e"]
 
@@ -304,7 +304,14 @@ def convert_pt2e(
     gm = convert_reference(model, decomposed=False)
     report: Report = report_of(gm)
     references = to_reference_modules(gm, {e.node for e in report.reference})
-    kept = [e for e in report.entries if e.node in {n.name for n in gm.graph.nodes}]
+    nodes = {n.name: n for n in gm.graph.nodes}
+    kept = [
+        e.with_status(Status.FLOAT, nodes[e.node].meta[UNFUSED_ADD_KEY])
+        if UNFUSED_ADD_KEY in nodes[e.node].meta
+        else e
+        for e in report.entries
+        if e.node in nodes
+    ]
     for name, pattern in references.items():
         kept.append(Entry(name, pattern, Status.REFERENCE, "no kernel took it", pattern))
     attach_report(gm, Report(state.backend_name, kept))

@@ -24,13 +24,22 @@ from qcore.engine.reference import QParams, ReferenceModule
 from qcore.pt2e.fused import WeightedWithPostOps
 from qcore.pt2e.patterns import packet
 
-__all__ = ["to_reference_modules"]
+__all__ = ["UNFUSED_ADD_KEY", "to_reference_modules"]
+
+#: Node meta of an add the quantizer annotated with the weighted op before it that
+#: stays apart: why (it computes in float, on the weighted kernel's float output).
+UNFUSED_ADD_KEY = "qcore_unfused_add"
+_BROADCASTS = (
+    "its other operand broadcasts: a weighted kernel sums only an operand of its own "
+    "output's shape, so this add computes in float on that kernel's float output"
+)
 
 aten = torch.ops.aten
 _RELU = {aten.relu, aten.relu_}
 _CONV = {aten.conv1d: 1, aten.conv2d: 2, aten.conv3d: 3}
 _CONV_RELU = {1: nni.ConvReLU1d, 2: nni.ConvReLU2d, 3: nni.ConvReLU3d}
 _ADDS = {aten.add, aten.add_}
+_QDQ = {ops.quantize_per_tensor, ops.dequantize_per_tensor}
 _ACTIVATIONS = {
     aten.hardtanh: nn.Hardtanh,
     aten.hardtanh_: nn.Hardtanh,
@@ -132,12 +141,34 @@ def _activation(node: Node) -> nn.Module | None:
     return None
 
 
+def _same_shape(a: Node, b: Node) -> bool:
+    """Whether both nodes' recorded values have one shape: a residual add fuses into
+    its weighted op (whose kernels sum into an accumulator of the output's shape) only
+    then, never where the other operand broadcasts (a (1, T, C) position embedding
+    added to a (B, T, C) linear output, a per-channel parameter added to a conv)."""
+    shapes = [_recorded_shape(n) for n in (a, b)]
+    return shapes[0] is not None and shapes[0] == shapes[1]
+
+
+def _recorded_shape(node: Any) -> Any:
+    """The shape export recorded for ``node``'s value, looked up through the quantize
+    and dequantize nodes convert adds (which record none); None if there is none."""
+    while isinstance(node, Node):
+        value = node.meta.get("val")
+        if value is not None:
+            return getattr(value, "shape", None)
+        if node.op != "call_function" or node.target not in _QDQ or not node.args:
+            return None
+        node = node.args[0]
+    return None
+
+
 def _post_ops(node: Node, fusable: set[str]) -> tuple[list[Node], Any, nn.Module | None]:
     """(post-op nodes in order, the residual operand or None, the activation module).
 
     Only ops the quantizer made part of the pattern (``fusable``) join it: a
-    residual add (the other operand any tensor), then an activation; or an
-    activation alone.
+    residual add (the other operand a tensor of the output's shape), then an
+    activation; or an activation alone.
     """
     nodes, other, activation = [], None, None
     tail = node
@@ -147,12 +178,14 @@ def _post_ops(node: Node, fusable: set[str]) -> tuple[list[Node], Any, nn.Module
         operands = list(user.args[:2])
         if len(user.args) == 2 and operands.count(tail) == 1:
             other = operands[1] if operands[0] is tail else operands[0]
-            if isinstance(other, Node):
+            if isinstance(other, Node) and _same_shape(other, tail):
                 nodes.append(user)
                 tail = user
                 users = list(tail.users)
                 user = users[0] if len(users) == 1 and users[0].name in fusable else None
             else:
+                if isinstance(other, Node):
+                    user.meta[UNFUSED_ADD_KEY] = _BROADCASTS
                 other = None
     if user is not None and (other is None or packet(user) in _RELU):
         activation = _activation(user)
