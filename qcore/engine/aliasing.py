@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch.fx import GraphModule, Node
 
 __all__ = ["AliasRules", "AliasedWriteError", "make_writes_visible"]
@@ -60,6 +61,15 @@ def _views_of(base: Node, before: Node, order: dict[Node, int], rules: AliasRule
     return sorted(found, key=order.__getitem__)
 
 
+def _never_quantized(node: Node) -> bool:
+    """Whether ``node``'s value is known to be an integer or bool tensor (a relative
+    position index built in forward): no quantize copies it, so every reader of its
+    memory sees a write through any view of it, as in float."""
+    value = node.meta.get("val", node.meta.get("tensor_meta"))
+    dtype = getattr(value, "dtype", None)
+    return isinstance(dtype, torch.dtype) and not (dtype.is_floating_point or dtype.is_complex)
+
+
 def make_writes_visible(gm: GraphModule, rules: AliasRules) -> int:
     """Rewrite ``gm`` (in place) so every read after an in-place write sees it; returns
     how many reads were moved onto a write's result. Raises :class:`AliasedWriteError`
@@ -71,7 +81,7 @@ def make_writes_visible(gm: GraphModule, rules: AliasRules) -> int:
             continue
         if order is None:  # again only after a rewrite inserted nodes
             order = {node: index for index, node in enumerate(gm.graph.nodes)}
-        if rules.is_view(target):
+        if rules.is_view(target) and not _never_quantized(target):
             base = target.args[0]
             late = [u for u in base.users if u is not target and order[u] > order[write]]
             if late or _views_of(base, write, order, rules) != [target]:

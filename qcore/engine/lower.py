@@ -407,13 +407,18 @@ class _Lowering:
         if node in self.float_of:
             return self.float_of[node][0]
         qparams = _qparams(node)
-        quantize = node.args[0]
-        source = quantize.args[0]
+        anchor = node.args[0]  # the quantize, or a constant's integers convert folded
+        if anchor.op == "get_attr":
+            # quantizing the constant's dequantized value again with the same qparams
+            # gives back its integers
+            source, anchor = node, node.next
+        else:
+            source = anchor.args[0]
         if source in self.float_of and self.float_of[source][1] == qparams:
             return self.float_of[source][0]  # int8 straight from the previous kernel
         key = (source, qparams)
         if key not in self.quantized:
-            with self.graph.inserting_before(quantize):
+            with self.graph.inserting_before(anchor):
                 scale, zero_point = self._qparams_attrs(f"{source.name}_input", qparams)
                 value = source
                 if qparams.quant_range is not None:  # torch quantizes to the full range

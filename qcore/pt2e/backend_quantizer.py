@@ -328,7 +328,8 @@ def _annotate_match(
     output = _annotation(output_node)
     if observation is ObservationType.OUTPUT_SHARE_OBSERVER_WITH_INPUT:
         for producer, consumer in edges[1:]:
-            _annotation(consumer).input_qspec_map[producer] = SharedQuantizationSpec(edges[0])
+            if (producer, consumer) != edges[0]:  # cat((y, y)): y is one edge, the first
+                _annotation(consumer).input_qspec_map[producer] = SharedQuantizationSpec(edges[0])
         if edges:
             output.output_qspec = SharedQuantizationSpec(edges[0])
     elif is_quantized_dtype(dtype_config.output_dtype) and act is not None:

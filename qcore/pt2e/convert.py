@@ -117,9 +117,17 @@ def _is_static(observer: Any) -> bool:
 
 
 def _to_eval(gm: GraphModule) -> None:
-    """Batch norms and dropouts exported in training mode (QAT) switch to eval."""
+    """Batch norms and dropouts exported in training mode (QAT) switch to eval. A
+    batch norm without running statistics (``F.batch_norm(w, None, None,
+    training=True)``: BiT's weight standardization) normalizes by its input's own
+    statistics in every mode: it stays as it is."""
     for node in gm.graph.nodes:
-        if packet(node) is aten.batch_norm and len(node.args) > 5 and node.args[5]:
+        if (
+            packet(node) is aten.batch_norm
+            and len(node.args) > 5
+            and node.args[5]
+            and node.args[3] is not None
+        ):
             node.args = (*node.args[:5], False, *node.args[6:])
         elif packet(node) is aten.dropout and len(node.args) > 2 and node.args[2]:
             node.args = (*node.args[:2], False, *node.args[3:])
