@@ -17,6 +17,7 @@ from backends import backend_params
 from torch import nn
 
 import qcore
+from qcore.engine.explain import Status
 
 MIN_SQNR_DB = 25.0
 
@@ -118,3 +119,20 @@ def test_prepares_converts_and_runs_accurately(backend, make, shape):
         lowered_db = sqnr(expected, qcore.convert_pt2e(prepared)(data[0]))
     assert reference_db > MIN_SQNR_DB
     assert lowered_db >= reference_db - 0.5, (lowered_db, reference_db)
+
+
+@pytest.mark.parametrize("backend", backend_params(("x86", "qnnpack")))
+def test_a_weight_computed_from_parameters_is_lowered_as_a_constant(backend):
+    """BiT's standardized weight depends on parameters only: convert quantizes its
+    value once, and the conv runs on the backend's int8 kernel, not in reference form
+    (which standardized, quantized and dequantized the weight at every call)."""
+    torch.manual_seed(0)
+    model = WeightStandardizedConv().eval()
+    x = torch.randn(2, 3, 8, 8)
+    prepared = qcore.prepare_pt2e(torch.export.export(model, (x,)).module(), backend)
+    prepared(x)
+    converted = qcore.convert_pt2e(prepared)
+    conv = next(e for e in qcore.explain(converted).entries if "conv" in e.node)
+    assert conv.status is Status.QUANTIZED, conv
+    ops = {str(n.target) for n in converted.graph.nodes if n.op == "call_function"}
+    assert not any("batch_norm" in op for op in ops), ops

@@ -35,7 +35,12 @@ from qcore.pt2e.prepare import (
     control_flow_subgraphs,
     quiet_deepcopy,
 )
-from qcore.pt2e.qdq import duplicate_dequantize, fold_quantized_constants, replace_observer
+from qcore.pt2e.qdq import (
+    Constants,
+    duplicate_dequantize,
+    fold_quantized_constants,
+    replace_observer,
+)
 from qcore.pt2e.reference import UNFUSED_ADD_KEY, to_reference_modules
 
 __all__ = ["convert_pt2e"]
@@ -55,12 +60,6 @@ def _state_of(model: Any) -> Pt2eState:
     return state
 
 
-def _constant(gm: GraphModule, node: Node) -> torch.Tensor:
-    owner_name, _, name = node.target.rpartition(".")
-    owner = gm.get_submodule(owner_name) if owner_name else gm
-    return getattr(owner, name).detach()
-
-
 def _qparams(gm: GraphModule, observer: Any, full_range: bool) -> QParams:
     if isinstance(observer, DerivedObserver):
         scale, zero_point = observer.derive(gm)
@@ -74,11 +73,13 @@ def _qparams(gm: GraphModule, observer: Any, full_range: bool) -> QParams:
     return qparams_of(observer, full_range=full_range)
 
 
-def _fold_constant(gm: GraphModule, node: Node, observer: Any, full_range: bool) -> None:
+def _fold_constant(
+    gm: GraphModule, node: Node, observer: Any, full_range: bool, constants: Constants
+) -> None:
     """Quantize a constant now; the graph keeps its integers and a dequantize."""
     graph, source = gm.graph, node.args[0]
     qparams = _qparams(gm, observer, full_range)
-    value = _constant(gm, source)
+    value = constants.value(source)
     base = f"{source.name}_{node.target}"
     limits = (qparams.quant_min, qparams.quant_max, qparams.dtype)
     with graph.inserting_before(node):
@@ -145,14 +146,15 @@ def _convert_graph(gm: GraphModule, state: Pt2eState, *, decomposed: bool, fold:
     """Replace ``gm``'s observers (in place), then those of its control-flow subgraphs."""
     modules = dict(gm.named_modules())
     names = set(state.observer_names)
+    constants = Constants(gm)
     for node in list(gm.graph.nodes):
         if node.op != "call_module" or node.target not in names:
             continue
         observer = modules[node.target]
         if decomposed:
             replace_observer(gm, node, observer, state.full_range)
-        elif node.args[0].op == "get_attr" and _is_static(observer):
-            _fold_constant(gm, node, observer, state.full_range)
+        elif _is_static(observer) and node.args[0] in constants:
+            _fold_constant(gm, node, observer, state.full_range, constants)
         else:
             _replace_observer(gm, node, observer, full_range=state.full_range)
     if decomposed and fold:

@@ -277,6 +277,22 @@ def _evaluate(gm: GraphModule, node: Node, values: dict[Node, Any]) -> Any:
     return values[node]
 
 
+class Constants:
+    """Which nodes of ``gm`` are computable from its constants alone, by pure ops
+    (parameters and buffers no in-place op writes), and their values: a weight is
+    not always a parameter (BiT standardizes its conv weights in forward)."""
+
+    def __init__(self, gm: GraphModule) -> None:
+        self.gm, self._written, self._cache = gm, _written_buffers(gm), {}
+
+    def __contains__(self, node: Node) -> bool:
+        return _is_constant(node, self._written, self._cache)
+
+    def value(self, node: Node) -> torch.Tensor:
+        with torch.no_grad():
+            return _evaluate(self.gm, node, {}).detach()
+
+
 def fold_quantized_constants(gm: GraphModule) -> int:
     """Quantize constant inputs once: each quantize op (:data:`QUANTIZE_OPS`) computable
     from constants becomes a ``_frozen_param<N>`` buffer holding its integers. Returns

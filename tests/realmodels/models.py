@@ -156,32 +156,78 @@ def regnet() -> nn.Module:
     return T.RegNetForImageClassification(config)
 
 
+#: ViT-style encoders' size: 8x8 patches of the corpus's images, hidden 32, two layers.
+_SMALL_VIT = dict(
+    image_size=IMAGE[1],
+    patch_size=8,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=64,
+)
+
+
 def vit() -> nn.Module:
     """ViT, 8x8 patches, hidden 32, two layers."""
-    config = T.ViTConfig(
-        image_size=IMAGE[1],
-        patch_size=8,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
+    return T.ViTForImageClassification(T.ViTConfig(**_SMALL_VIT, num_labels=10))
+
+
+def bit() -> nn.Module:
+    """BiT: weight-standardized convs (a functional batch norm on each conv's weight)."""
+    config = T.BitConfig(
+        embedding_size=16, hidden_sizes=[16, 32], num_groups=8, depths=[1, 1], num_labels=10
+    )
+    return T.BitForImageClassification(config)
+
+
+def beit() -> nn.Module:
+    """BEiT with relative position bias (its index written in place in forward)."""
+    config = T.BeitConfig(**_SMALL_VIT, use_relative_position_bias=True, num_labels=10)
+    return T.BeitForImageClassification(config)
+
+
+def swinv2() -> nn.Module:
+    """Swin V2: windowed attention, a position-bias MLP run on a buffer."""
+    config = T.Swinv2Config(
+        image_size=32,
+        patch_size=2,
+        embed_dim=16,
+        depths=[1, 1],
+        num_heads=[1, 2],
+        window_size=4,
+        mlp_ratio=2.0,
         num_labels=10,
     )
-    return T.ViTForImageClassification(config)
+    return T.Swinv2ForImageClassification(config)
+
+
+#: BERT-style encoders' size: hidden 32, two layers of two heads, 32 positions.
+_SMALL_BERT = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=32,
+)
 
 
 def bert() -> nn.Module:
     """BERT encoder, hidden 32, two layers."""
-    config = T.BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        add_pooling_layer=False,
-    )
+    config = T.BertConfig(**_SMALL_BERT, add_pooling_layer=False)
     return T.BertModel(config, add_pooling_layer=False)
+
+
+def mobilebert() -> nn.Module:
+    """MobileBERT: bottlenecks, a (1, T, C) position embedding added to a linear output."""
+    config = T.MobileBertConfig(
+        **_SMALL_BERT,
+        embedding_size=16,
+        intra_bottleneck_size=16,
+        true_hidden_size=16,
+        num_feedforward_networks=2,
+    )
+    return T.MobileBertModel(config, add_pooling_layer=False)
 
 
 def distilbert() -> nn.Module:
@@ -318,7 +364,11 @@ BUILDERS: dict[str, tuple[str, Callable[[], nn.Module], Callable]] = {
     "convnext": ("vision", convnext, _images),
     "regnet": ("vision", regnet, _images),
     "vit": ("vision", vit, _images),
+    "bit": ("vision", bit, _images),
+    "beit": ("vision", beit, _images),
+    "swinv2": ("vision", swinv2, _images),
     "bert": ("text", bert, _tokens),
+    "mobilebert": ("text", mobilebert, _tokens),
     "distilbert": ("text", distilbert, _tokens),
     "gpt2": ("text", gpt2, _tokens),
     "whisper_encoder": ("audio", whisper_encoder, _mel),
