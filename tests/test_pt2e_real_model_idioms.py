@@ -136,3 +136,38 @@ def test_a_weight_computed_from_parameters_is_lowered_as_a_constant(backend):
     assert conv.status is Status.QUANTIZED, conv
     ops = {str(n.target) for n in converted.graph.nodes if n.op == "call_function"}
     assert not any("batch_norm" in op for op in ops), ops
+
+
+class PositionIdsFromMask(nn.Module):
+    """RoBERTa, MPNet, DeBERTa-v2: position ids computed from the token ids, an integer
+    ``cumsum(mask) * mask``. x86 annotated that integer mul, and calibration failed
+    ("histogram_cpu" not implemented for 'Int'); torchao fails the same way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(100, 16)
+        self.positions = nn.Embedding(32, 16)
+        self.linear = nn.Linear(16, 8)
+
+    def forward(self, ids):
+        mask = ids.ne(1).int()
+        positions = torch.cumsum(mask, dim=1).type_as(mask) * mask + 1
+        return self.linear(self.tokens(ids) + self.positions(positions.long()))
+
+
+@pytest.mark.parametrize("backend", backend_params(("x86", "qnnpack")))
+def test_integer_arithmetic_is_never_observed(backend):
+    torch.manual_seed(0)
+    model = PositionIdsFromMask().eval()
+    generator = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 100, (2, 16), generator=generator) for _ in range(3)]
+    prepared = qcore.prepare_pt2e(torch.export.export(model, (data[0],)).module(), backend)
+    with torch.no_grad():
+        for batch in data:
+            prepared(batch)
+        expected = model(data[0])
+        for lower in (False, True):
+            converted = qcore.convert_pt2e(prepared, lower=lower)
+            assert sqnr(expected, converted(data[0])) > MIN_SQNR_DB
+    mul = next(e for e in qcore.explain(prepared).entries if e.op == "aten.mul")
+    assert mul.status is Status.NOT_AN_OP  # integer arithmetic: nothing to quantize

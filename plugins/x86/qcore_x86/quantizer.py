@@ -102,8 +102,11 @@ def _only_user(node: Node) -> Node | None:
     return next(iter(node.users)) if len(node.users) == 1 else None
 
 
-def _is_tensor(value) -> bool:
-    return isinstance(value, Node) and isinstance(value.meta.get("val"), torch.Tensor)
+def _is_float_tensor(value) -> bool:
+    """A floating-point tensor: what quantizing applies to (an integer mul, such as
+    RoBERTa's position ids from a cumsum of the mask, stays as it is)."""
+    found = value.meta.get("val") if isinstance(value, Node) else None
+    return isinstance(found, torch.Tensor) and found.is_floating_point()
 
 
 class X86Quantizer(Quantizer):
@@ -218,7 +221,7 @@ class X86Quantizer(Quantizer):
             end = user
         elif user is not None and _op(user) in RESIDUAL_ADDS and user not in self._done:
             other = next((a for a in user.args[:2] if a is not end), None)
-            if _is_tensor(other) and list(user.args[:2]).count(end) == 1:
+            if _is_float_tensor(other) and list(user.args[:2]).count(end) == 1:
                 # oneDNN adds a conv's residual in int8; a linear's in float.
                 self._annotate(user, {other: self.activation} if is_conv else {})
                 end = user
@@ -230,8 +233,10 @@ class X86Quantizer(Quantizer):
 
     def _mul(self, node: Node) -> None:
         first, second = node.args[0], node.args[1]
-        if not (_is_tensor(first) and _is_tensor(second)):
-            node.meta[REASON_KEY] = "x86 quantizes mul of two tensors (not by a scalar)"
+        if not (_is_float_tensor(first) and _is_float_tensor(second)):
+            node.meta[REASON_KEY] = (
+                "x86 quantizes mul of two float tensors (not by a scalar, not of integers)"
+            )
             return
         if first.meta["val"].shape != second.meta["val"].shape:
             node.meta[REASON_KEY] = "x86 quantizes mul of two tensors of the same shape only"
