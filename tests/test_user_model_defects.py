@@ -243,6 +243,50 @@ def test_list_arithmetic_gets_no_observer():
     assert statuses["add"][0] == "-", statuses["add"]  # not an op
 
 
+class TupleOutputs(nn.Module):
+    """A non-traceable attention returning a tuple, and BERT-family layers' tuple sum
+    ``(out,) + outputs[1:]`` (MPNet, Data2Vec-vision): x86's add config lists weighted
+    dtype configs too, and the tuple got an observer ("'tuple' object has no
+    attribute 'numel'" at calibration; torch.ao fails so on every backend)."""
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return (self.q(x), x.mean(-1))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = self.Attention()
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):
+        outputs = self.attention(x)
+        outputs = (self.out(outputs[0]),) + outputs[1:]
+        return outputs[0]
+
+
+@pytest.mark.parametrize("backend", backend_params(("x86", "fbgemm", "qnnpack")))
+def test_a_tuple_sum_gets_no_observer(backend):
+    from torch.ao.quantization.fx.custom_config import PrepareCustomConfig
+
+    model, data = TupleOutputs().eval(), _batches((2, 4, 8))
+    config = PrepareCustomConfig().set_non_traceable_module_names(["attention"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = qcore.prepare_fx(
+            model, get_default_qconfig_mapping(backend), (data[0],), backend, config
+        )
+    with torch.no_grad():
+        for batch in data:
+            prepared(batch)
+        converted = qcore.convert_fx(prepared)
+        assert sqnr(model(data[0]), converted(data[0])) > 30
+    assert _statuses(converted)["add"][0] == "-"  # not an op
+
+
 # 11. bool masks are never quantized
 class Masked(nn.Module):
     def __init__(self) -> None:

@@ -300,8 +300,13 @@ def _quantizes(annotation: QuantizationAnnotation | None) -> bool:
 
 
 def _quantizes_weights(match: Match | None) -> bool:
-    return match is not None and any(
-        config.weight_dtype is not None for config in match.config.dtype_configs
+    """A match of a module with weights to quantize (a dynamic LSTM). A function's
+    config may list weighted dtype configs too (x86's ``add`` shares its list with
+    the weighted ops): a tuple sum, ``(out,) + outputs[1:]``, has no weights."""
+    return (
+        match is not None
+        and any(node.op == "call_module" for node in match.nodes)
+        and any(config.weight_dtype is not None for config in match.config.dtype_configs)
     )
 
 
