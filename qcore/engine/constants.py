@@ -12,10 +12,11 @@ from torch.fx import GraphModule
 
 from qcore.engine.observe import OBSERVER_PREFIX
 
-__all__ = ["observe_constants"]
+__all__ = ["observe_constants", "unobserved"]
 
 
-def _unobserved(observer: torch.nn.Module) -> bool:
+def unobserved(observer: torch.nn.Module) -> bool:
+    """Whether a min/max observer has seen no value yet."""
     low = getattr(observer, "min_val", None)
     return isinstance(low, torch.Tensor) and (low.numel() == 0 or bool(torch.isinf(low).any()))
 
@@ -29,7 +30,7 @@ def observe_constants(gm: GraphModule) -> None:
         if getattr(source, "op", None) != "get_attr":
             continue
         observer = gm.get_submodule(node.target)
-        if _unobserved(observer):
+        if unobserved(observer):
             with torch.no_grad():
                 observer(_constant(gm, source.target))
 

@@ -17,6 +17,7 @@ from torch.fx import GraphModule, Node
 
 from qcore import ops
 from qcore.engine.backend_annotator import is_quantized_dtype
+from qcore.engine.constants import unobserved
 from qcore.engine.explain import Entry, Report, Status, attach_report, report_of
 from qcore.engine.observe import DerivedObserver
 from qcore.engine.prepare import STATE_KEY, PreparedState
@@ -86,53 +87,118 @@ def _swap_reference_modules(gm: GraphModule, state: PreparedState) -> None:
         _set_module(gm, accepted.root_target, reference)
 
 
-_FUNCTIONAL_LINEAR = (torch.nn.functional.linear, torch._C._nn.linear)
+_FUNCTIONAL_WEIGHTED: dict[Any, type[torch.nn.Module]] = {
+    torch.nn.functional.linear: torch.nn.Linear,
+    torch.nn.functional.conv1d: torch.nn.Conv1d,
+    torch.nn.functional.conv2d: torch.nn.Conv2d,
+    torch.nn.functional.conv3d: torch.nn.Conv3d,
+}
+#: Arguments of ``F.convNd`` after input, weight and bias, in order, with defaults.
+_CONV_SETTINGS = (("stride", 1), ("padding", 0), ("dilation", 1), ("groups", 1))
+#: Ops that draw random numbers or write in place never count as computing a constant.
+_NOT_CONSTANT_WORDS = ("rand", "bernoulli", "dropout", "normal", "multinomial", "uniform")
+
+
+def _pure(node: Node) -> bool:
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return not name.endswith("_") and not any(word in name for word in _NOT_CONSTANT_WORDS)
 
 
 def _constant_of(gm: GraphModule, node: Any) -> torch.Tensor | None:
-    if not isinstance(node, Node) or node.op != "get_attr":
+    """The value of ``node`` if the graph computes it from parameters and buffers alone
+    (a ``get_attr``, or pure ops on such: BiT standardizes its conv weights with a
+    functional batch norm in forward), else None."""
+    if not isinstance(node, Node):
         return None
-    owner_name, _, name = node.target.rpartition(".")
-    value = getattr(gm.get_submodule(owner_name) if owner_name else gm, name, None)
+    if node.op == "get_attr":
+        owner_name, _, name = node.target.rpartition(".")
+        value = getattr(gm.get_submodule(owner_name) if owner_name else gm, name, None)
+        return value.detach() if isinstance(value, torch.Tensor) else None
+    if not _pure(node) or not node.all_input_nodes:
+        return None
+    values = {}
+    for source in node.all_input_nodes:
+        values[source] = _constant_of(gm, source)
+        if values[source] is None:
+            return None
+    args = torch.fx.node.map_arg(node.args, values.__getitem__)
+    kwargs = torch.fx.node.map_arg(node.kwargs, values.__getitem__)
+    with torch.no_grad():
+        if node.op == "call_method":
+            value = getattr(args[0], node.target)(*args[1:], **kwargs)
+        else:
+            value = node.target(*args, **kwargs)
     return value.detach() if isinstance(value, torch.Tensor) else None
 
 
-def _functional_linears_to_modules(gm: GraphModule, state: PreparedState) -> None:
-    """``F.linear(x, w, b)`` on constant weights becomes a ReferenceModule around an
-    ``nn.Linear``, so the backend's linear kernels take it as they take the module
-    (an ``nn.Linear`` subclass whose forward calls ``F.linear`` traces this way)."""
+def _float_weighted_module(node: Node, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The float module computing ``node`` (``F.linear``/``F.convNd``) on constants, or
+    None where its settings are not constants."""
+    cls = _FUNCTIONAL_WEIGHTED[node.target]
+    if cls is torch.nn.Linear:
+        if weight.dim() != 2:
+            return None
+        module = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    else:
+        settings = dict(_CONV_SETTINGS)
+        for (key, _), value in zip(_CONV_SETTINGS, node.args[3:], strict=False):
+            settings[key] = value
+        settings.update({k: v for k, v in node.kwargs.items() if k in settings})
+        if any(isinstance(value, Node) for value in settings.values()):
+            return None
+        groups = settings["groups"]
+        in_channels, out_channels = weight.shape[1] * groups, weight.shape[0]
+        module = cls(
+            in_channels, out_channels, tuple(weight.shape[2:]), bias=bias is not None, **settings
+        )
+    with torch.no_grad():
+        module.weight.copy_(weight)
+        if bias is not None:
+            module.bias.copy_(bias)
+    return module
+
+
+def _functional_weighted_to_modules(gm: GraphModule, state: PreparedState) -> None:
+    """``F.linear``/``F.convNd`` on constant weights becomes a ReferenceModule around an
+    ``nn.Linear``/``nn.ConvNd``, so the backend's kernels take it as they take the
+    module (an ``nn.Linear`` subclass whose forward calls ``F.linear``, BiT's
+    weight-standardized ``Conv2d``, trace this way), as torch.ao lowers them."""
     accepted = {a.root_name for a in state.accepted if a.root_op == "call_function"}
     modules = dict(gm.named_modules(remove_duplicate=False))
     for node in list(gm.graph.nodes):
-        if node.name not in accepted or node.target not in _FUNCTIONAL_LINEAR:
+        if node.name not in accepted or node.target not in _FUNCTIONAL_WEIGHTED:
             continue
         args = list(node.args) + [None] * (3 - len(node.args))
         x, observed_weight, bias_node = args[0], args[1], node.kwargs.get("bias", args[2])
         observer = modules.get(getattr(observed_weight, "target", None))
-        weight = _constant_of(gm, getattr(observed_weight, "args", (None,))[0])
         bias_observer = modules.get(getattr(bias_node, "target", None))
         if bias_observer is not None:  # a float bias may be observed (not quantized)
             if is_quantized_dtype(getattr(bias_observer, "dtype", torch.float)):
                 continue
             bias_node = bias_node.args[0]
-        bias = _constant_of(gm, bias_node)
-        if observer is None or weight is None or weight.dim() != 2:
+        if observer is None:
             continue
         input_observer = modules.get(getattr(x, "target", None))
         if getattr(observer, "dtype", None) == torch.float16 and not getattr(
             input_observer, "is_dynamic", False
         ):
             continue  # static float16: torch has no such kernel; F.linear as torch.ao keeps it
-        if bias_node is not None and bias is None:
+        weight = _constant_of(gm, observed_weight.args[0] if observed_weight.args else None)
+        bias = _constant_of(gm, bias_node)
+        if weight is None or (bias_node is not None and bias is None):
             continue
-        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
-        with torch.no_grad():
-            linear.weight.copy_(weight)
-            if bias is not None:
-                linear.bias.copy_(bias)
+        module = _float_weighted_module(node, weight, bias)
+        if module is None:
+            continue
+        if unobserved(observer):  # a computed weight, never run through (dynamic)
+            with torch.no_grad():
+                observer(weight)
         qparams = qparams_of(observer, full_range=True)
-        name = _free_name(gm, f"{node.name}_linear")
-        gm.add_submodule(name, ReferenceModule(linear, {"weight": qparams}, torch.nn.Linear))
+        kind = type(module)
+        name = _free_name(gm, f"{node.name}_{kind.__name__.lower()}")
+        gm.add_submodule(name, ReferenceModule(module, {"weight": qparams}, kind))
         node.op, node.target, node.args, node.kwargs = "call_module", name, (x,), {}
 
 
@@ -244,7 +310,7 @@ def convert_to_reference(
     gm.eval()
     _swap_reference_modules(gm, state)
     if for_lowering:
-        _functional_linears_to_modules(gm, state)
+        _functional_weighted_to_modules(gm, state)
     modules = dict(gm.named_modules(remove_duplicate=False))
     observer_names = set(state.observer_names)
     for node in list(gm.graph.nodes):
