@@ -17,7 +17,7 @@ from torch.fx import GraphModule, Node
 
 from qcore import ops
 from qcore.engine.backend_annotator import is_quantized_dtype
-from qcore.engine.constants import unobserved
+from qcore.engine.constants import Constants, unobserved
 from qcore.engine.explain import Entry, Report, Status, attach_report, report_of
 from qcore.engine.observe import DerivedObserver
 from qcore.engine.prepare import STATE_KEY, PreparedState
@@ -95,42 +95,6 @@ _FUNCTIONAL_WEIGHTED: dict[Any, type[torch.nn.Module]] = {
 }
 #: Arguments of ``F.convNd`` after input, weight and bias, in order, with defaults.
 _CONV_SETTINGS = (("stride", 1), ("padding", 0), ("dilation", 1), ("groups", 1))
-#: Ops that draw random numbers or write in place never count as computing a constant.
-_NOT_CONSTANT_WORDS = ("rand", "bernoulli", "dropout", "normal", "multinomial", "uniform")
-
-
-def _pure(node: Node) -> bool:
-    if node.op not in ("call_function", "call_method"):
-        return False
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return not name.endswith("_") and not any(word in name for word in _NOT_CONSTANT_WORDS)
-
-
-def _constant_of(gm: GraphModule, node: Any) -> torch.Tensor | None:
-    """The value of ``node`` if the graph computes it from parameters and buffers alone
-    (a ``get_attr``, or pure ops on such: BiT standardizes its conv weights with a
-    functional batch norm in forward), else None."""
-    if not isinstance(node, Node):
-        return None
-    if node.op == "get_attr":
-        owner_name, _, name = node.target.rpartition(".")
-        value = getattr(gm.get_submodule(owner_name) if owner_name else gm, name, None)
-        return value.detach() if isinstance(value, torch.Tensor) else None
-    if not _pure(node) or not node.all_input_nodes:
-        return None
-    values = {}
-    for source in node.all_input_nodes:
-        values[source] = _constant_of(gm, source)
-        if values[source] is None:
-            return None
-    args = torch.fx.node.map_arg(node.args, values.__getitem__)
-    kwargs = torch.fx.node.map_arg(node.kwargs, values.__getitem__)
-    with torch.no_grad():
-        if node.op == "call_method":
-            value = getattr(args[0], node.target)(*args[1:], **kwargs)
-        else:
-            value = node.target(*args, **kwargs)
-    return value.detach() if isinstance(value, torch.Tensor) else None
 
 
 def _float_weighted_module(node: Node, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -167,6 +131,7 @@ def _functional_weighted_to_modules(gm: GraphModule, state: PreparedState) -> No
     weight-standardized ``Conv2d``, trace this way), as torch.ao lowers them."""
     accepted = {a.root_name for a in state.accepted if a.root_op == "call_function"}
     modules = dict(gm.named_modules(remove_duplicate=False))
+    constants = Constants(gm)
     for node in list(gm.graph.nodes):
         if node.name not in accepted or node.target not in _FUNCTIONAL_WEIGHTED:
             continue
@@ -185,10 +150,11 @@ def _functional_weighted_to_modules(gm: GraphModule, state: PreparedState) -> No
             input_observer, "is_dynamic", False
         ):
             continue  # static float16: torch has no such kernel; F.linear as torch.ao keeps it
-        weight = _constant_of(gm, observed_weight.args[0] if observed_weight.args else None)
-        bias = _constant_of(gm, bias_node)
-        if weight is None or (bias_node is not None and bias is None):
+        weight_node = observed_weight.args[0] if observed_weight.args else None
+        if weight_node not in constants or (bias_node is not None and bias_node not in constants):
             continue
+        weight = constants.value(weight_node)
+        bias = None if bias_node is None else constants.value(bias_node)
         module = _float_weighted_module(node, weight, bias)
         if module is None:
             continue

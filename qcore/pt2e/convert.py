@@ -19,6 +19,7 @@ from torch.fx import GraphModule, Node
 
 from qcore import ops
 from qcore.engine.backend_annotator import is_quantized_dtype
+from qcore.engine.constants import Constants
 from qcore.engine.convert import _replace_observer
 from qcore.engine.explain import Entry, Report, Status, attach_report, report_of
 from qcore.engine.lower import lower as lower_to_kernels
@@ -35,12 +36,7 @@ from qcore.pt2e.prepare import (
     control_flow_subgraphs,
     quiet_deepcopy,
 )
-from qcore.pt2e.qdq import (
-    Constants,
-    duplicate_dequantize,
-    fold_quantized_constants,
-    replace_observer,
-)
+from qcore.pt2e.qdq import duplicate_dequantize, fold_quantized_constants, replace_observer
 from qcore.pt2e.reference import UNFUSED_ADD_KEY, to_reference_modules
 
 __all__ = ["convert_pt2e"]

@@ -34,6 +34,7 @@ from torch.fx import GraphModule, Node
 
 from qcore import ops
 from qcore.engine.backend_annotator import is_quantized_dtype
+from qcore.engine.constants import Constants
 from qcore.engine.observe import DerivedObserver
 
 __all__ = [
@@ -202,123 +203,30 @@ def _dynamic(graph: Any, source: Node, observer: Any, dtype: torch.dtype, dq_kwa
 # ---------------------------------------------------------------------------------- folding
 
 
-def _written_buffers(gm: GraphModule) -> set[str]:
-    """get_attr targets an in-place op writes to (never folded: they change at run time)."""
-    written = set()
-    for node in gm.graph.nodes:
-        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-        if schema is None or not node.args or not schema.arguments:
-            continue
-        alias = schema.arguments[0].alias_info
-        first = node.args[0]
-        if alias is not None and alias.is_write and isinstance(first, Node):
-            for producer in _aliased_sources(first):
-                if producer.op == "get_attr":
-                    written.add(producer.target)
-    return written
-
-
-def _aliased_sources(node: Node) -> list[Node]:
-    """``node`` and the nodes whose storage it may share: through views and in-place
-    ops (their schema returns an alias of an argument), never through an op that
-    returns a new tensor, such as the conv whose output a ``relu_`` overwrites.
-    An op without a schema may alias any input."""
-    seen, stack, found = set(), [node], []
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        found.append(current)
-        if current.op != "call_function":
-            continue
-        schema = getattr(current.target, "_schema", None)
-        if schema is None:
-            stack.extend(current.all_input_nodes)
-            continue
-        if not schema.returns or schema.returns[0].alias_info is None:
-            continue
-        for argument, value in zip(schema.arguments, current.args, strict=False):
-            if argument.alias_info is not None and isinstance(value, Node):
-                stack.append(value)
-    return found
-
-
-def _is_constant(node: Node, written: set[str], cache: dict[Node, bool]) -> bool:
-    """Computable from the module's constants alone, by pure ops."""
-    if node in cache:
-        return cache[node]
-    if node.op == "get_attr":
-        result = node.target not in written
-    elif node.op == "call_function" and not node.is_impure():
-        inputs = node.all_input_nodes
-        result = bool(inputs) and all(_is_constant(n, written, cache) for n in inputs)
-    else:
-        result = False
-    cache[node] = result
-    return result
-
-
-def _attr(gm: GraphModule, target: str) -> Any:
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def _evaluate(gm: GraphModule, node: Node, values: dict[Node, Any]) -> Any:
-    if node not in values:
-        if node.op == "get_attr":
-            values[node] = _attr(gm, node.target)
-        else:
-            args = torch.fx.node.map_arg(node.args, lambda n: _evaluate(gm, n, values))
-            kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: _evaluate(gm, n, values))
-            values[node] = node.target(*args, **kwargs)
-    return values[node]
-
-
-class Constants:
-    """Which nodes of ``gm`` are computable from its constants alone, by pure ops
-    (parameters and buffers no in-place op writes), and their values: a weight is
-    not always a parameter (BiT standardizes its conv weights in forward)."""
-
-    def __init__(self, gm: GraphModule) -> None:
-        self.gm, self._written, self._cache = gm, _written_buffers(gm), {}
-
-    def __contains__(self, node: Node) -> bool:
-        return _is_constant(node, self._written, self._cache)
-
-    def value(self, node: Node) -> torch.Tensor:
-        with torch.no_grad():
-            return _evaluate(self.gm, node, {}).detach()
-
-
 def fold_quantized_constants(gm: GraphModule) -> int:
     """Quantize constant inputs once: each quantize op (:data:`QUANTIZE_OPS`) computable
     from constants becomes a ``_frozen_param<N>`` buffer holding its integers. Returns
     how many were folded. Ops on constants that feed no quantize stay as they are."""
-    written = _written_buffers(gm)
-    cache: dict[Node, bool] = {}
+    constants = Constants(gm)
     folded = 0
-    with torch.no_grad():
-        for node in list(gm.graph.nodes):
-            if node.op != "call_function" or node.target not in QUANTIZE_OPS:
-                continue
-            if not _is_constant(node, written, cache):
-                continue
-            value = _evaluate(gm, node, {})
-            index = 0
-            while hasattr(gm, f"_frozen_param{index}"):
-                index += 1
-            name = f"_frozen_param{index}"
-            gm.register_buffer(name, value.detach().clone())
-            with gm.graph.inserting_before(node):
-                frozen = gm.graph.get_attr(name)
-            # the float weight's meta would describe the wrong dtype: keep the quantize's
-            frozen.meta.update(node.meta)
-            node.replace_all_uses_with(frozen)
-            gm.graph.erase_node(node)
-            folded += 1
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in QUANTIZE_OPS:
+            continue
+        if node not in constants:
+            continue
+        value = constants.value(node)
+        index = 0
+        while hasattr(gm, f"_frozen_param{index}"):
+            index += 1
+        name = f"_frozen_param{index}"
+        gm.register_buffer(name, value.clone())
+        with gm.graph.inserting_before(node):
+            frozen = gm.graph.get_attr(name)
+        # the float weight's meta would describe the wrong dtype: keep the quantize's
+        frozen.meta.update(node.meta)
+        node.replace_all_uses_with(frozen)
+        gm.graph.erase_node(node)
+        folded += 1
     if folded:
         gm.graph.eliminate_dead_code()
     return folded
