@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import test_properties_vs_torch_ao as generated  # noqa: E402
 from test_properties_vs_torch_ao import Step  # noqa: E402
 
-KINDS = ("called_twice", "residual_reused", "view_list", "mask", "write_ignored")
-KINDS += ("view_before_write",)
+KINDS = ("called_twice", "called_twice_fusable", "residual_reused", "view_list", "mask")
+KINDS += ("write_ignored", "view_before_write")
 
 
 def random_parts(rng: random.Random, max_steps: int) -> tuple[list[Step], tuple[str, str]]:

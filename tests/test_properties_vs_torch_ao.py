@@ -31,6 +31,7 @@ from torch.ao.quantization import get_default_qconfig_mapping
 from torch.ao.quantization.quantize_fx import convert_fx as ao_convert_fx
 from torch.ao.quantization.quantize_fx import convert_to_reference_fx as ao_reference_fx
 from torch.ao.quantization.quantize_fx import prepare_fx as ao_prepare_fx
+from zoo.baseline import backend_config
 
 import qcore
 from qcore.kernels.runtime import using_engine
@@ -104,6 +105,7 @@ ACTIVATION_FORMS = [(name, form) for name, forms in ACTIVATIONS.items() for form
 STEPS = (
     "conv_act",  # a conv, then an activation in one of its forms
     "called_twice",  # one conv module called twice, the results added
+    "called_twice_fusable",  # relu(conv(x)) + conv(x): one call fusable, the other not
     "residual_reused",  # y = a(x); z = b(x) + y; z + y
     "view_list",  # a view whose shape is a list built from x.size()
     "mask",  # masked_fill with a bool mask computed from the tensor
@@ -134,6 +136,7 @@ class Generated(nn.Module):
             count = {
                 "conv_act": 1,
                 "called_twice": 1,
+                "called_twice_fusable": 1,
                 "residual_reused": 2,
                 "write_ignored": 1,
                 "view_before_write": 2,
@@ -159,6 +162,9 @@ class Generated(nn.Module):
                 conv += 1
             elif step.kind == "called_twice":
                 x = self.convs[conv](x) + self.convs[conv](x)
+                conv += 1
+            elif step.kind == "called_twice_fusable":
+                x = F.relu(self.convs[conv](x)) + self.convs[conv](x)
                 conv += 1
             elif step.kind == "residual_reused":
                 y = self.convs[conv](x)
@@ -208,6 +214,7 @@ steps = st.one_of(
     st.sampled_from(
         [
             "called_twice",
+            "called_twice_fusable",
             "residual_reused",
             "view_list",
             "mask",
@@ -240,18 +247,18 @@ def _data() -> list[torch.Tensor]:
 
 
 def _run_torch_ao(model: nn.Module, data: list[torch.Tensor], backend: str = "fbgemm"):
-    """torch.ao's (reference, lowered) outputs on data[0] under its own default mapping
-    and quantized engine for ``backend``, or None where torch.ao fails."""
-    mapping = get_default_qconfig_mapping(backend)
+    """torch.ao's (reference, lowered) outputs on data[0] under its own default mapping,
+    BackendConfig and quantized engine for ``backend``, or None where torch.ao fails."""
+    mapping, config = get_default_qconfig_mapping(backend), backend_config(backend)
     try:
         with warnings.catch_warnings(), using_engine(backend):
             warnings.simplefilter("ignore")
-            prepared = ao_prepare_fx(model, mapping, (data[0].clone(),))
+            prepared = ao_prepare_fx(model, mapping, (data[0].clone(),), backend_config=config)
             with torch.no_grad():
                 for batch in data:
                     prepared(batch.clone())
-            reference = ao_reference_fx(_copy(prepared))
-            lowered = ao_convert_fx(_copy(prepared))
+            reference = ao_reference_fx(_copy(prepared), backend_config=config)
+            lowered = ao_convert_fx(_copy(prepared), backend_config=config)
             with torch.no_grad():
                 return reference(data[0].clone()), lowered(data[0].clone())
     except Exception:  # noqa: BLE001 - torch.ao failing excuses qcore from this model
@@ -302,6 +309,9 @@ def assert_as_accurate(expected, ours, peer, case) -> None:
     )
 
 
+#: The least SQNR against float a generated model may give, either form.
+FLOOR_DB = 15.0
+
 GENERATED = settings(
     max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -325,10 +335,15 @@ GENERATED_BACKENDS = backend_params(("fbgemm", "onednn"))
 @given(parts=models)
 def test_generated_graphs_match_torch_ao(backend, parts):
     model, data, expected = float_case(parts)
+    ours = _run_qcore(model, data, backend)
+    # Against float too: a fault torch.ao shares passes the comparison (a module called
+    # twice and fused under its name: 6-8 dB on both). On 150 random models of up to 6
+    # steps (fbgemm) and 80 (onednn), none gave less than 20.9 dB.
+    assert min(sqnr(expected, output) for output in ours) > FLOOR_DB, (backend, parts)
     peer = _run_torch_ao(model, data, backend)
     if peer is None:
         return  # torch.ao cannot quantize it either
-    assert_as_accurate(expected, _run_qcore(model, data, backend), peer, (backend, parts))
+    assert_as_accurate(expected, ours, peer, (backend, parts))
 
 
 @pytest.mark.parametrize("activation", ACTIVATION_FORMS, ids="-".join)
