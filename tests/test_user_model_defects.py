@@ -287,6 +287,36 @@ def test_a_tuple_sum_gets_no_observer(backend):
     assert _statuses(converted)["add"][0] == "-"  # not an op
 
 
+class ReadsItsWeightsDtype(nn.Module):
+    """SigLIP's and CLIP's patch embeddings: ``x.to(self.conv.weight.dtype)``. The conv
+    becomes a kernel holding integers, and convert failed on the read ("references
+    nonexistent attribute weight"); torch.ao's converted model fails when run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 4, stride=4)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = self.conv(x.to(dtype=self.conv.weight.dtype))
+        return self.fc(x.flatten(2).transpose(1, 2))
+
+
+@pytest.mark.parametrize("backend", backend_params(("x86", "fbgemm", "qnnpack")))
+def test_reading_a_weights_dtype_survives_convert(backend):
+    model, data = ReadsItsWeightsDtype().eval(), _batches((2, 3, 8, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mapping = get_default_qconfig_mapping(backend)
+        prepared = qcore.prepare_fx(model, mapping, (data[0],), backend)
+    with torch.no_grad():
+        for batch in data:
+            prepared(batch)
+        for convert in (qcore.convert_to_reference_fx, qcore.convert_fx):
+            assert sqnr(model(data[0]), convert(prepared)(data[0])) > 25
+    assert _statuses(qcore.convert_fx(prepared))["conv"][0] == "quantized"
+
+
 # 11. bool masks are never quantized
 class Masked(nn.Module):
     def __init__(self) -> None:

@@ -20,7 +20,7 @@ from torch.fx import GraphModule, Node
 
 from qcore.engine.observe import OBSERVER_PREFIX
 
-__all__ = ["Constants", "observe_constants", "unobserved"]
+__all__ = ["Constants", "attribute", "observe_constants", "unobserved"]
 
 
 def unobserved(observer: torch.nn.Module) -> bool:
@@ -40,13 +40,7 @@ def observe_constants(gm: GraphModule) -> None:
         observer = gm.get_submodule(node.target)
         if unobserved(observer):
             with torch.no_grad():
-                observer(_constant(gm, source.target))
-
-
-def _constant(gm: GraphModule, target: str) -> torch.Tensor:
-    owner_name, _, name = target.rpartition(".")
-    owner = gm.get_submodule(owner_name) if owner_name else gm
-    return getattr(owner, name).detach()
+                observer(attribute(gm, source.target).detach())
 
 
 #: Ops that draw random numbers never compute a constant (whatever their inputs).
@@ -116,7 +110,8 @@ def _pure(node: Node) -> bool:
     return not any(word in _name(node) for word in _RANDOM_WORDS)
 
 
-def _attr(gm: GraphModule, target: str) -> Any:
+def attribute(gm: GraphModule, target: str) -> Any:
+    """What a ``get_attr`` node with ``target`` reads from ``gm``."""
     value: Any = gm
     for part in target.split("."):
         value = getattr(value, part)
@@ -157,7 +152,7 @@ class Constants:
     def _evaluate(self, node: Node, values: dict[Node, Any]) -> Any:
         if node not in values:
             if node.op == "get_attr":
-                values[node] = _attr(self.gm, node.target)
+                values[node] = attribute(self.gm, node.target)
             else:
                 args = torch.fx.node.map_arg(node.args, lambda n: self._evaluate(n, values))
                 kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: self._evaluate(n, values))

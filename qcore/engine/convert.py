@@ -17,7 +17,7 @@ from torch.fx import GraphModule, Node
 
 from qcore import ops
 from qcore.engine.backend_annotator import is_quantized_dtype
-from qcore.engine.constants import Constants, unobserved
+from qcore.engine.constants import Constants, attribute, unobserved
 from qcore.engine.explain import Entry, Report, Status, attach_report, report_of
 from qcore.engine.observe import DerivedObserver
 from qcore.engine.prepare import STATE_KEY, PreparedState
@@ -168,6 +168,39 @@ def _functional_weighted_to_modules(gm: GraphModule, state: PreparedState) -> No
         node.op, node.target, node.args, node.kwargs = "call_module", name, (x,), {}
 
 
+#: What a model may read off a parameter or buffer that convert is about to replace
+#: (``x.to(self.conv.weight.dtype)``, SigLIP's and CLIP's patch embeddings).
+_METADATA = ("dtype", "device", "shape", "ndim")
+
+
+def _freeze_tensor_metadata(gm: GraphModule) -> None:
+    """Reads of a constant's dtype, device, shape or rank become the values they read.
+
+    The float weight is gone once its module is swapped for a reference module or a
+    kernel (its integers replace it); what forward asked of it does not change."""
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr":
+            continue
+        for user in list(node.users):
+            if (
+                user.op == "call_function"
+                and user.target is getattr
+                and user.args[0] is node
+                and user.args[1] in _METADATA
+            ):
+                value = getattr(attribute(gm, node.target), user.args[1])
+                for reader in list(user.users):
+                    reader.args = torch.fx.node.map_arg(
+                        reader.args, lambda n, u=user, v=value: v if n is u else n
+                    )
+                    reader.kwargs = torch.fx.node.map_arg(
+                        reader.kwargs, lambda n, u=user, v=value: v if n is u else n
+                    )
+                gm.graph.erase_node(user)
+        if not node.users:
+            gm.graph.erase_node(node)
+
+
 def _free_name(gm: GraphModule, base: str) -> str:
     name, index = base, 0
     while hasattr(gm, name):
@@ -274,6 +307,7 @@ def convert_to_reference(
     check_observers(("", prepared, state.observer_names))
     gm = _copy_without_observers(prepared, state.observer_names)
     gm.eval()
+    _freeze_tensor_metadata(gm)
     _swap_reference_modules(gm, state)
     if for_lowering:
         _functional_weighted_to_modules(gm, state)
