@@ -57,14 +57,7 @@ def _ast_mel(seed, batches):
     return [(torch.randn(M.BATCH, 32, 16, generator=g),) for _ in range(batches)]
 
 
-_enc = dict(
-    vocab_size=V,
-    hidden_size=H,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    intermediate_size=64,
-    max_position_embeddings=32,
-)
+_enc = M.SMALL_BERT
 
 _dec = dict(
     vocab_size=V,
@@ -76,20 +69,7 @@ _dec = dict(
     use_cache=False,
 )
 
-_w2v = dict(
-    hidden_size=H,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    intermediate_size=64,
-    conv_dim=(16, 16),
-    conv_stride=(5, 2),
-    conv_kernel=(10, 3),
-    num_feat_extract_layers=2,
-    num_conv_pos_embeddings=16,
-    num_conv_pos_embedding_groups=2,
-    do_stable_layer_norm=False,
-    feat_extract_norm="group",
-)
+_w2v = M.SMALL_WAV2VEC2
 
 
 def _model(model_class, config_class, model_kwargs=None, **config) -> Callable[[], nn.Module]:
@@ -135,12 +115,7 @@ MORE: dict[str, tuple[str, Callable[[], nn.Module], Callable]] = {
         _model(
             T.DeiTForImageClassification,
             T.DeiTConfig,
-            image_size=32,
-            patch_size=8,
-            hidden_size=H,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=64,
+            **M.SMALL_VIT,
             num_labels=10,
         ),
         M._images,
@@ -484,12 +459,7 @@ MORE: dict[str, tuple[str, Callable[[], nn.Module], Callable]] = {
         _model(
             T.CLIPVisionModel,
             T.CLIPVisionConfig,
-            image_size=32,
-            patch_size=8,
-            hidden_size=H,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
+            **M.SMALL_VIT,
         ),
         M._images,
     ),
@@ -498,12 +468,7 @@ MORE: dict[str, tuple[str, Callable[[], nn.Module], Callable]] = {
         _model(
             T.SiglipVisionModel,
             T.SiglipVisionConfig,
-            image_size=32,
-            patch_size=8,
-            hidden_size=H,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
+            **M.SMALL_VIT,
         ),
         M._images,
     ),
@@ -558,12 +523,7 @@ MORE: dict[str, tuple[str, Callable[[], nn.Module], Callable]] = {
         _model(
             T.Data2VecVisionForImageClassification,
             T.Data2VecVisionConfig,
-            image_size=32,
-            patch_size=8,
-            hidden_size=H,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=64,
+            **M.SMALL_VIT,
             use_relative_position_bias=False,
             use_mean_pooling=True,
             num_labels=10,

@@ -157,7 +157,7 @@ def regnet() -> nn.Module:
 
 
 #: ViT-style encoders' size: 8x8 patches of the corpus's images, hidden 32, two layers.
-_SMALL_VIT = dict(
+SMALL_VIT = dict(
     image_size=IMAGE[1],
     patch_size=8,
     hidden_size=32,
@@ -169,7 +169,7 @@ _SMALL_VIT = dict(
 
 def vit() -> nn.Module:
     """ViT, 8x8 patches, hidden 32, two layers."""
-    return T.ViTForImageClassification(T.ViTConfig(**_SMALL_VIT, num_labels=10))
+    return T.ViTForImageClassification(T.ViTConfig(**SMALL_VIT, num_labels=10))
 
 
 def bit() -> nn.Module:
@@ -182,7 +182,7 @@ def bit() -> nn.Module:
 
 def beit() -> nn.Module:
     """BEiT with relative position bias (its index written in place in forward)."""
-    config = T.BeitConfig(**_SMALL_VIT, use_relative_position_bias=True, num_labels=10)
+    config = T.BeitConfig(**SMALL_VIT, use_relative_position_bias=True, num_labels=10)
     return T.BeitForImageClassification(config)
 
 
@@ -202,7 +202,7 @@ def swinv2() -> nn.Module:
 
 
 #: BERT-style encoders' size: hidden 32, two layers of two heads, 32 positions.
-_SMALL_BERT = dict(
+SMALL_BERT = dict(
     vocab_size=VOCAB,
     hidden_size=32,
     num_hidden_layers=2,
@@ -214,14 +214,14 @@ _SMALL_BERT = dict(
 
 def bert() -> nn.Module:
     """BERT encoder, hidden 32, two layers."""
-    config = T.BertConfig(**_SMALL_BERT, add_pooling_layer=False)
+    config = T.BertConfig(**SMALL_BERT, add_pooling_layer=False)
     return T.BertModel(config, add_pooling_layer=False)
 
 
 def mobilebert() -> nn.Module:
     """MobileBERT: bottlenecks, a (1, T, C) position embedding added to a linear output."""
     config = T.MobileBertConfig(
-        **_SMALL_BERT,
+        **SMALL_BERT,
         embedding_size=16,
         intra_bottleneck_size=16,
         true_hidden_size=16,
@@ -276,23 +276,26 @@ def whisper_encoder() -> nn.Module:
     return WhisperEncoder(config)
 
 
+#: Wav2Vec2-style audio encoders' size: two conv feature layers (group norm), hidden 32.
+SMALL_WAV2VEC2 = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=64,
+    conv_dim=(16, 16),
+    conv_stride=(5, 2),
+    conv_kernel=(10, 3),
+    num_feat_extract_layers=2,
+    num_conv_pos_embeddings=16,
+    num_conv_pos_embedding_groups=2,
+    do_stable_layer_norm=False,
+    feat_extract_norm="group",
+)
+
+
 def wav2vec2() -> nn.Module:
     """Wav2Vec2 base layout: conv feature extractor (group norm), positional conv, attention."""
-    config = T.Wav2Vec2Config(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        conv_dim=(16, 16),
-        conv_stride=(5, 2),
-        conv_kernel=(10, 3),
-        num_feat_extract_layers=2,
-        num_conv_pos_embeddings=16,
-        num_conv_pos_embedding_groups=2,
-        do_stable_layer_norm=False,
-        feat_extract_norm="group",
-    )
-    return T.Wav2Vec2Model(config)
+    return T.Wav2Vec2Model(T.Wav2Vec2Config(**SMALL_WAV2VEC2))
 
 
 # ----------------------------------------------------------------------- FX bodies
