@@ -131,7 +131,7 @@ def _functional_weighted_to_modules(gm: GraphModule, state: PreparedState) -> No
     weight-standardized ``Conv2d``, trace this way), as torch.ao lowers them."""
     accepted = {a.root_name for a in state.accepted if a.root_op == "call_function"}
     modules = dict(gm.named_modules(remove_duplicate=False))
-    constants = Constants(gm)
+    constants: Constants | None = None  # a graph walk, only for a model with such ops
     for node in list(gm.graph.nodes):
         if node.name not in accepted or node.target not in _FUNCTIONAL_WEIGHTED:
             continue
@@ -151,6 +151,7 @@ def _functional_weighted_to_modules(gm: GraphModule, state: PreparedState) -> No
         ):
             continue  # static float16: torch has no such kernel; F.linear as torch.ao keeps it
         weight_node = observed_weight.args[0] if observed_weight.args else None
+        constants = constants or Constants(gm)
         if weight_node not in constants or (bias_node is not None and bias_node not in constants):
             continue
         weight = constants.value(weight_node)
