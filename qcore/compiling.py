@@ -65,8 +65,15 @@ class CompiledModel(torch.nn.Module):
         grad = torch.no_grad() if self.recipe.no_grad else nullcontext()
         signature = _signature(args, kwargs)
         if signature in self._compiled_for:
-            with grad:
-                return self._compiled(*args, **kwargs)
+            try:
+                with grad:
+                    return self._compiled(*args, **kwargs)
+            except Exception:
+                # dynamo compiled again without the recipe's options (its caches were
+                # reset, or a guard qcore's signature does not see failed), which for
+                # frozen int8 weights fails inside Inductor: once more, with them set.
+                # A model's own error is raised again by that call.
+                self._compiled_for.discard(signature)
         # New input shapes: dynamo traces (again), and some recipe options are read
         # while it traces (Inductor's freezing decides whether weights become
         # constants), not only by Inductor after it: they are set for the call and
@@ -91,13 +98,13 @@ class CompiledModel(torch.nn.Module):
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:
-    """What decides whether dynamo compiles again: each tensor's shape, dtype and
-    device, each scalar's value, the type of anything else (a miss only means a
+    """What decides whether dynamo compiles again: each tensor's shape, strides, dtype
+    and device, each scalar's value, the type of anything else (a miss only means a
     call that sets the recipe's options again)."""
 
     def one(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return (tuple(value.shape), value.dtype, value.device)
+            return (tuple(value.shape), value.stride(), value.dtype, value.device)
         if isinstance(value, (int, float, bool, str, type(None))):
             return value
         if isinstance(value, (tuple, list)):

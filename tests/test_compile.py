@@ -130,6 +130,26 @@ def test_a_new_input_shape_compiles_with_the_recipe_again():
     assert (compiled - eager).abs().max().item() <= 0.05 * eager.abs().max().item()
 
 
+@requires_x86
+def test_a_recompile_the_signature_does_not_see_gets_the_recipe_too():
+    """dynamo also compiles again for inputs of the same shape in another memory
+    format, and after ``torch._dynamo.reset()``. Such a compile without the recipe's
+    options failed inside Inductor (its int8 passes prepacking weights that were not
+    frozen): both now give the reference form's numbers."""
+    prepared = _prepared("pt2e", "x86")
+    torch._dynamo.reset()
+    fast = qcore.compile(prepared)
+    (x,) = _data(1)[0]
+    with torch.no_grad():
+        eager = qcore.convert_pt2e(prepared, lower=False)(x)
+    first = fast(x)
+    channels_last = fast(x.contiguous(memory_format=torch.channels_last))
+    torch._dynamo.reset()
+    after_reset = fast(x)
+    for compiled in (first, channels_last, after_reset):
+        assert (compiled - eager).abs().max().item() <= 0.05 * eager.abs().max().item()
+
+
 @pytest.mark.parametrize("backend", ["qnnpack", "fbgemm"])
 def test_a_backend_without_a_recipe_gets_its_eager_kernels(backend):
     if not installed(backend):
