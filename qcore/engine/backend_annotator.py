@@ -462,18 +462,30 @@ def _scalar_qparams(
     where a sum of values already on it rounds the same for every element, and
     it is what torch's add_scalar kernel computes, so the kernel needs no requantize.
     """
+    operands = _scalar_operands(root, tensor_nodes)
+    if operands is None:
+        return None
+    number, tensor = operands
+    info = torch.iinfo(storage_dtype(dtype))
+    if root.target in _SCALAR_PRODUCTS:  # exact from x's qparams, observed or derived
+        return ScaledQParams(number, info.min, info.max)
+    if root.target in _SCALAR_SUMS and _cannot_widen(tensor, annotations):
+        return ShiftedQParams(number, info.min, info.max)
+    return None
+
+
+def _scalar_operands(root: Node, tensor_nodes: set[Node]) -> tuple[float, Node] | None:
+    """(c, x) of ``x + c``, ``x * c`` and kin (a tensor and a nonzero Python number),
+    else None."""
+    if root.target not in _SCALAR_PRODUCTS and root.target not in _SCALAR_SUMS:
+        return None
     if len(root.args) != 2 or root.kwargs:
         return None
     numbers_ = [a for a in root.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
     tensors = [a for a in root.args if isinstance(a, Node) and a in tensor_nodes]
     if len(numbers_) != 1 or len(tensors) != 1 or numbers_[0] == 0:
         return None
-    info = torch.iinfo(storage_dtype(dtype))
-    if root.target in _SCALAR_PRODUCTS:  # exact from x's qparams, observed or derived
-        return ScaledQParams(float(numbers_[0]), info.min, info.max)
-    if root.target in _SCALAR_SUMS and _cannot_widen(tensors[0], annotations):
-        return ShiftedQParams(float(numbers_[0]), info.min, info.max)
-    return None
+    return float(numbers_[0]), tensors[0]
 
 
 def _cannot_widen(node: Node, annotations: dict[Node, QuantizationAnnotation]) -> bool:
@@ -615,7 +627,17 @@ def _annotate(
             if derivable
             else None
         )
-        if first_edge is not None and derive is not None:
+        if (
+            first_edge is not None
+            and not derivable
+            and act_spec is not None
+            and _scalar_operands(match.root, tensor_nodes) is not None
+        ):
+            # QAT: one fake quant shared by x and x + 3 (or x * 0.5) tracks neither
+            # range, and training would learn against the clipped one: the result
+            # gets a fake quant of its own, which the kernel requantizes to.
+            output.output_qspec = act_spec
+        elif first_edge is not None and derive is not None:
             output.output_qspec = DerivedQuantizationSpec(
                 derived_from=[first_edge],
                 derive_qparams_fn=derive,
