@@ -72,6 +72,12 @@ RECIPES: dict[str, list] = {
     "+correct_bias": ["correct_bias"],
     "equalize+correct_bias": ["equalize", "correct_bias"],
     "equalize(relu6)+correct_bias": [("equalize", {"relu6_to_relu": True}), "correct_bias"],
+    "+correct_bias(empirical)": [("correct_bias", {"method": "empirical"})],
+    "equalize+correct_bias(empirical)": ["equalize", ("correct_bias", {"method": "empirical"})],
+    "equalize(relu6)+correct_bias(empirical)": [
+        ("equalize", {"relu6_to_relu": True}),
+        ("correct_bias", {"method": "empirical"}),
+    ],
     "+smooth_quant(0.5)": [("smooth_quant", {"alpha": 0.5})],
     "smooth_quant(search)+correct_bias": [("smooth_quant", {"alpha": "search"}), "correct_bias"],
     # A time budget keeps a shared 2-core machine's run in minutes (the paper: 10k steps).

@@ -68,12 +68,16 @@ def _backend() -> str:
     pytest.skip("needs a first-party backend")
 
 
+METHODS = ["fast", "empirical"]
+
+
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("path", ["fx", "pt2e"])
 @pytest.mark.parametrize("backend", backend_params())
-def test_correction_lifts_sqnr_where_rounding_is_biased(path, backend):
+def test_correction_lifts_sqnr_where_rounding_is_biased(path, backend, method):
     model = RoundsDown().eval()
     prepared = _calibrated(model, path, backend)
-    corrected = qcore.correct_bias(prepared, _data())
+    corrected = qcore.correct_bias(prepared, _data(), method=method)
     (x,) = _data(1)[0]
     with torch.no_grad():
         plain_db = _sqnr(model(x), _convert(prepared, path)(x))
@@ -84,11 +88,12 @@ def test_correction_lifts_sqnr_where_rounding_is_biased(path, backend):
     assert max(c.largest_change for c in changed.values()) > 0.01
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("path", ["fx", "pt2e"])
-def test_only_biases_change(path):
+def test_only_biases_change(path, method):
     prepared = _calibrated(RoundsDown().eval(), path, _backend())
     before = {k: v.clone() for k, v in prepared.state_dict().items()}
-    corrected = qcore.correct_bias(prepared, _data())
+    corrected = qcore.correct_bias(prepared, _data(), method=method)
     after = corrected.state_dict()
     assert all(torch.equal(v, prepared.state_dict()[k]) for k, v in before.items())
     differ = sorted(k for k in before if not torch.equal(before[k], after[k]))
@@ -96,11 +101,12 @@ def test_only_biases_change(path):
     assert corrected_biases(prepared) == ()
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("path", ["fx", "pt2e"])
-def test_a_layer_without_a_bias_gets_one(path):
+def test_a_layer_without_a_bias_gets_one(path, method):
     model = RoundsDown(bias=False).eval()
     prepared = _calibrated(model, path, _backend())
-    corrected = qcore.correct_bias(prepared, _data())
+    corrected = qcore.correct_bias(prepared, _data(), method=method)
     (x,) = _data(1)[0]
     with torch.no_grad():
         plain_db = _sqnr(model(x), _convert(prepared, path)(x))
@@ -112,5 +118,8 @@ def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match=r"prepared: got .*Linear.*expected a model from qcore"):
         qcore.correct_bias(torch.nn.Linear(2, 2), [])
     prepared = _calibrated(RoundsDown().eval(), "fx", _backend())
-    with pytest.raises(ValueError, match=r"calibration_data: got no batches"):
-        qcore.correct_bias(prepared, [])
+    for method in METHODS:
+        with pytest.raises(ValueError, match=r"calibration_data: got no batches"):
+            qcore.correct_bias(prepared, [], method=method)
+    with pytest.raises(ValueError, match=r"method: got 'exact'; expected 'fast' or 'empirical'"):
+        qcore.correct_bias(prepared, _data(), method="exact")

@@ -23,6 +23,7 @@ __all__ = [
     "check_uncalibrated",
     "first_observed",
     "is_observer",
+    "is_observer_module",
     "layer_name",
     "layer_of",
     "record_inputs",
@@ -72,9 +73,11 @@ def weighted_module(module: torch.nn.Module) -> torch.nn.Module | None:
 
 def is_observer(gm: GraphModule, node: Node) -> bool:
     """``node`` calls an observer or fake-quant module."""
-    if node.op != "call_module":
-        return False
-    module = gm.get_submodule(node.target)
+    return node.op == "call_module" and is_observer_module(gm.get_submodule(node.target))
+
+
+def is_observer_module(module: torch.nn.Module) -> bool:
+    """``module`` is an observer or fake-quant module."""
     return hasattr(module, "calculate_qparams") or type(module).__name__.endswith("Observer")
 
 

@@ -1,0 +1,152 @@
+"""A prepared graph run as its converted model computes, batch by batch in step.
+
+Each observer's output is fake-quantized with the qparams it calibrated (on PT2E
+that includes the weights' observers), and an FX layer runs on its fake-quantized
+weights. Observers only read here: running the graph changes no statistics.
+Empirical bias correction (``correct_bias(..., method="empirical")``) walks the
+graph in this form, one layer at a time, across all calibration batches at once:
+each layer's bias is set before anything after it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Interpreter, Node
+
+from qcore.algorithms.layers import Layer, is_observer_module, weight_qparams, weighted_module
+from qcore.engine.reference import fake_quantize, qparams_of
+
+__all__ = ["float_pre_activations", "sample_means", "simulated_steps"]
+
+_INTEGER_DTYPES = (torch.quint8, torch.qint8, torch.int8, torch.uint8)
+
+
+def sample_means(outputs: list[torch.Tensor], is_linear: bool) -> torch.Tensor:
+    """Each sample's per-channel output mean, over every batch: (samples, channels).
+    A sample is one entry of a batch (channels last for a linear, at dim 1 for a
+    conv); its positions (pixels, tokens) are averaged, as they are not independent."""
+    rows = []
+    for out in outputs:
+        out = out.detach().float()
+        if out.dim() < 2:
+            out = out.reshape(1, -1)
+        if is_linear:
+            rows.append(out.reshape(out.shape[0], -1, out.shape[-1]).mean(1))
+        else:
+            rows.append(out.flatten(2).mean(2))
+    return torch.cat(rows)
+
+
+def _channel_shaped(values: torch.Tensor, like: torch.Tensor, is_linear: bool) -> torch.Tensor:
+    if is_linear:
+        return values
+    return values.reshape([1, -1] + [1] * (like.dim() - 2))
+
+
+class _Run(Interpreter):
+    """One batch; observers pass values through (``quantized=False``) or
+    fake-quantize them, without observing."""
+
+    def __init__(self, gm: GraphModule, quantized: bool, full_range: bool) -> None:
+        super().__init__(gm)
+        self.quantized, self.full_range = quantized, full_range
+        self.weights: dict[str, torch.Tensor] = {}  # FX layer target -> dequantized weight
+
+    def call_module(self, target: str, args: Any, kwargs: Any) -> Any:
+        module = self.module.get_submodule(target)
+        if not is_observer_module(module):
+            return super().call_module(target, args, kwargs)
+        (x,) = args
+        if not self.quantized or not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            return x
+        if getattr(module, "is_dynamic", False) or getattr(module, "dtype", None) not in (
+            _INTEGER_DTYPES
+        ):
+            return x
+        return fake_quantize(x, qparams_of(module, full_range=self.full_range))[1].to(x.dtype)
+
+    def pre_activation(self, node: Node) -> torch.Tensor:
+        """The layer's output before a fused activation (FX ConvReLU2d and kin)."""
+        if node.op != "call_module":
+            return self.run_node(node)
+        module = self.module.get_submodule(node.target)
+        layer = weighted_module(module)
+        x = self.env[node.args[0]]
+        weight = self.weights.get(node.target, layer.weight)
+        if isinstance(layer, torch.nn.Linear):
+            return torch.nn.functional.linear(x, weight, layer.bias)
+        return layer._conv_forward(x, weight, layer.bias)
+
+    def finish(self, node: Node, pre: torch.Tensor) -> torch.Tensor:
+        """A layer's output from its pre-activation."""
+        module = self.module.get_submodule(node.target) if node.op == "call_module" else None
+        if isinstance(module, torch.nn.Sequential):
+            for child in list(module)[1:]:
+                pre = child(pre)
+        return pre
+
+    def start(self, args: tuple) -> None:
+        self.env, self.args_iter = {}, iter(args)
+
+    def step(self, node: Node, value: Any = None, computed: bool = False) -> None:
+        self.env[node] = value if computed else self.run_node(node)
+        for done in self.user_to_last_uses.get(node, ()):
+            del self.env[done]
+
+
+def float_pre_activations(
+    gm: GraphModule, layers: dict[Node, Layer], batches: list[tuple]
+) -> dict[Node, torch.Tensor]:
+    """Each layer's :func:`sample_means` in float (observers pass values through)."""
+    outputs: dict[Node, list[torch.Tensor]] = {node: [] for node in layers}
+    for args in batches:
+        run = _Run(gm, quantized=False, full_range=True)
+        run.start(args)
+        for node in gm.graph.nodes:
+            if node.op == "output":
+                break
+            if node in layers:
+                pre = run.pre_activation(node)
+                outputs[node].append(pre)
+                run.step(node, run.finish(node, pre), computed=True)
+            else:
+                run.step(node)
+    return {node: sample_means(found, layers[node].is_linear) for node, found in outputs.items()}
+
+
+def simulated_steps(
+    gm: GraphModule,
+    layers: dict[Node, Layer],
+    batches: list[tuple],
+    full_range: bool,
+    adjust: Callable[[Node, list[torch.Tensor]], torch.Tensor | None],
+) -> None:
+    """Runs every batch through ``gm`` as converted, in step, node by node. At each
+    layer, ``adjust(node, pre_activations)`` may return a per-channel shift: it is
+    added to those outputs before the rest of the graph sees them (the caller has
+    added it to the layer's bias)."""
+    runs = [_Run(gm, quantized=True, full_range=full_range) for _ in batches]
+    for node, layer in layers.items():
+        qparams = weight_qparams(gm, node, layer) if node.op == "call_module" else None
+        if qparams is not None:
+            dequantized = fake_quantize(layer.weight, qparams)[1].to(layer.weight.dtype)
+            for run in runs:
+                run.weights[node.target] = dequantized
+    for run, args in zip(runs, batches, strict=True):
+        run.start(args)
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            break
+        if node not in layers:
+            for run in runs:
+                run.step(node)
+            continue
+        pres = [run.pre_activation(node) for run in runs]
+        shift = adjust(node, pres)
+        for run, pre in zip(runs, pres, strict=True):
+            if shift is not None:
+                pre = pre + _channel_shaped(shift, pre, layers[node].is_linear).to(pre.dtype)
+            run.step(node, run.finish(node, pre), computed=True)
