@@ -45,7 +45,7 @@ from qcore.engine.decomposed import to_decomposed
 from qcore.engine.explain import Report, report_of
 from qcore.engine.float_islands import islands_from_any_float_op
 from qcore.engine.fuse import fuse_graph
-from qcore.engine.lower import lower
+from qcore.engine.lower import lower, make_picklable
 from qcore.engine.prepare import prepare
 from qcore.engine.scripting import keep_model_when_scripted
 from qcore.engine.standalone import convert_standalone_modules, input_qparams
@@ -331,6 +331,7 @@ def _convert(
     copy_preserved(prepared, converted, settings.preserved_attributes)
     if not to_kernels:
         to_decomposed(converted)
+        make_picklable(converted)
     return keep_model_when_scripted(converted)
 
 

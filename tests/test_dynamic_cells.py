@@ -151,19 +151,9 @@ def test_cell_runs_on_its_kernel_with_torch_aos_numbers(name, qconfig_name, back
     assert [(e.node, e.kernel) for e in report.quantized] == [
         ("cell", f"{ENGINE[backend]}.rnn_cell_dynamic")
     ], str(report)
-    feeds = _as_qcore_feeds(inputs, qconfig_name)
-    expected = _torch_ao(model, feeds, qconfig, ENGINE[backend])
+    # fp16 weights: the kernel takes the float32 input, as torch.ao's lowering does
+    expected = _torch_ao(model, inputs, qconfig, ENGINE[backend])
     assert _max_difference(expected, _run(converted, inputs)) == 0.0
-
-
-def _as_qcore_feeds(inputs: tuple, qconfig_name: str) -> tuple:
-    """The inputs as qcore's converted graph hands them to the kernel: with float16
-    weights the graph keeps the reference form's ``to(float16)`` cast of the cell's
-    input (not of its state), which torch.ao's lowering drops, so torch.ao is given
-    the input rounded the same way (measured without: up to 5e-4 apart, the rounding)."""
-    if qconfig_name != "fp16":
-        return inputs
-    return (inputs[0].half().float(), *inputs[1:])
 
 
 #: A dynamic QConfig whose input range is 7 bits (0..127), fbgemm's overflow guard.

@@ -66,3 +66,60 @@ def test_zoo_cnn_round_trips_through_torch_save():
     assert qcore.explain(loaded) == qcore.explain(converted)
     inputs = entry.calibration_data(1, seed=5)[0]
     torch.testing.assert_close(_run(loaded, inputs), _run(converted, inputs), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_graph_keeping_a_qcore_op_round_trips_through_torch_save(backend):
+    """torch.load traces a GraphModule's code again. An LSTM with ``proj_size`` has no
+    dynamic kernel and stays in reference form, which computes its input's qparams
+    with ``qcore.ops.choose_qparams_per_tensor``; traced through, its branch on the
+    tensor's size failed (TraceError). The call is now kept as one node."""
+    import qcore
+
+    class Projected(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = torch.nn.LSTM(32, 24, batch_first=True, proj_size=12)
+            self.out = torch.nn.Linear(12, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.rnn(x)[0])
+
+    torch.manual_seed(0)
+    converted = qcore.quantize_dynamic(Projected().eval(), backend=backend)
+    assert [entry.op for entry in qcore.explain(converted).reference] == ["LSTM"]
+    buffer = io.BytesIO()
+    torch.save(converted, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randn(4, 7, 32)
+    torch.testing.assert_close(loaded(x), converted(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_the_reference_form_round_trips_through_torch_save(backend):
+    """convert_to_reference_fx kept prepare's state (a BackendConfig naming fuser
+    closures and torch's max_pool2d): torch.save raised PicklingError."""
+    import torch.nn.functional as F
+
+    import qcore
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.fc = torch.nn.Conv2d(4, 4, 3), torch.nn.Linear(16, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(F.max_pool2d(torch.relu(self.conv(x)), 2).flatten(1))
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 4, 6, 6)
+    prepared = qcore.prepare_fx(Net().eval(), None, (x,), backend=backend)
+    prepared(x)
+    reference = qcore.convert_to_reference_fx(prepared)
+    buffer = io.BytesIO()
+    torch.save(reference, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert qcore.explain(loaded) == qcore.explain(reference)
+    torch.testing.assert_close(loaded(x), reference(x), rtol=0, atol=0)

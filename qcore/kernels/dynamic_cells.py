@@ -5,8 +5,8 @@ Each runs torch's ``quantized_lstm_cell_dynamic`` / ``quantized_gru_cell_dynamic
 ``quantized_rnn_tanh_cell_dynamic`` / ``quantized_rnn_relu_cell_dynamic`` on its two
 packed linears (input-hidden, hidden-hidden), the ops behind
 ``torch.ao.nn.quantized.dynamic.LSTMCell``/``GRUCell``/``RNNCell``, so its outputs
-are torch.ao's (fp16: qcore's graph keeps the reference form's float16 rounding of
-the input before the kernel, which torch.ao's lowering drops).
+are torch.ao's (fp16 too: lowering drops the reference form's float16 rounding of
+the input before the kernel, as torch.ao's does).
 
 Rounding that legitimately differs from the reference form: torch's int8 cell ops
 quantize the input *and* the hidden state on the fly, to 7 bits on fbgemm and x86
