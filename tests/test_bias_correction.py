@@ -123,3 +123,44 @@ def test_bad_arguments_are_named():
             qcore.correct_bias(prepared, [], method=method)
     with pytest.raises(ValueError, match=r"method: got 'exact'; expected 'fast' or 'empirical'"):
         qcore.correct_bias(prepared, _data(), method="exact")
+
+
+class ConvNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.depthwise = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.conv(x))
+        y = torch.relu(self.depthwise(y)) + y
+        return self.fc(y.mean((2, 3)))
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_empirical_correction_runs_the_graph_as_convert_computes_it(backend):
+    """The empirical method measures each layer on the model as convert computes it:
+    the simulation it walks gives the reference form's outputs (PT2E, where both
+    run the same float ops on the same fake-quantized values)."""
+    from qcore.algorithms.simulated import _Run
+    from qcore.pt2e.prepare import PT2E_STATE_KEY
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 8, 8)
+    model = ConvNet().eval()
+    prepared = qcore.prepare_pt2e(torch.export.export(model, (x,)).module(), backend)
+    with torch.no_grad():
+        prepared(x)
+        reference = qcore.convert_pt2e(prepared, lower=False)(x)
+        before = {k: v.clone() for k, v in prepared.state_dict().items()}
+        simulated = _Run(prepared, True, prepared.meta[PT2E_STATE_KEY].full_range).run(x * 3)
+        after = prepared.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)  # observers only read
+        simulated = _Run(prepared, True, prepared.meta[PT2E_STATE_KEY].full_range).run(x)
+    torch.testing.assert_close(simulated, reference, rtol=0, atol=1e-6)
+    corrected = qcore.correct_bias(prepared, [(x,)], method="empirical")
+    with torch.no_grad():
+        before = _sqnr(model(x), qcore.convert_pt2e(prepared)(x))
+        after = _sqnr(model(x), qcore.convert_pt2e(corrected)(x))
+    assert after >= before - 0.1, (before, after)  # on the data it was corrected on
