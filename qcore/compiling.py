@@ -56,7 +56,8 @@ class CompiledModel(torch.nn.Module):
         )
         # Not a submodule: it wraps ``reference``, whose parameters are counted once.
         object.__setattr__(self, "_compiled", compiled)
-        object.__setattr__(self, "_compiled_for", set())
+        # signature -> the inputs (positions, keyword names) the compiled graph writes into
+        object.__setattr__(self, "_compiled_for", {})
         report = report_of(reference)
         if report is not None:
             object.__setattr__(self, _REPORT_ATTRIBUTE, report)
@@ -64,28 +65,36 @@ class CompiledModel(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         grad = torch.no_grad() if self.recipe.no_grad else nullcontext()
         signature = _signature(args, kwargs)
-        if signature in self._compiled_for:
+        written = self._compiled_for.get(signature)
+        if written is not None:
+            call_args, call_kwargs = _copied(written, args, kwargs)
             try:
                 with grad:
-                    return self._compiled(*args, **kwargs)
+                    return self._compiled(*call_args, **call_kwargs)
             except Exception:
                 # dynamo compiled again without the recipe's options (its caches were
                 # reset, or a guard qcore's signature does not see failed), which for
                 # frozen int8 weights fails inside Inductor: once more, with them set.
                 # A model's own error is raised again by that call.
-                self._compiled_for.discard(signature)
+                del self._compiled_for[signature]
         # New input shapes: dynamo traces (again), and some recipe options are read
         # while it traces (Inductor's freezing decides whether weights become
         # constants), not only by Inductor after it: they are set for the call and
         # restored. Calls on shapes already compiled skip that (tens of us a call).
+        # The call runs on copies of the inputs: Inductor may fuse an add of a graph
+        # input into a kernel that sums in place into it (oneDNN's qlinear "sum"
+        # post-op on ``x + linear(norm(x))``; torchao's compiled model does the same).
+        # Inputs it writes are copied on every later call, so the caller's are not.
+        every_tensor = _tensor_keys(args, kwargs)
+        copies = _copied(every_tensor, args, kwargs)
         with self._inductor_options(), grad, warnings.catch_warnings():
             # Inductor's oneDNN lowering copies a tensor with torch.tensor() while it
             # compiles (torch 2.13): torch's own, at compile time, nothing to act on.
             warnings.filterwarnings(
                 "ignore", "To copy construct from a tensor", UserWarning, "torch._inductor"
             )
-            outputs = self._compiled(*args, **kwargs)
-        self._compiled_for.add(signature)
+            outputs = self._compiled(*copies[0], **copies[1])
+        self._compiled_for[signature] = _written(every_tensor, (args, kwargs), copies, outputs)
         return outputs
 
     def _inductor_options(self) -> AbstractContextManager:
@@ -95,6 +104,42 @@ class CompiledModel(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}, recipe={self.recipe.describe()}"
+
+
+def _tensor_keys(args: tuple, kwargs: dict) -> frozenset:
+    keys = [i for i, value in enumerate(args) if isinstance(value, torch.Tensor)]
+    keys += [name for name, value in kwargs.items() if isinstance(value, torch.Tensor)]
+    return frozenset(keys)
+
+
+def _copied(keys: frozenset, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """(args, kwargs) with the tensors at ``keys`` (positions, keyword names) cloned."""
+    if not keys:
+        return args, kwargs
+    args = tuple(value.clone() if i in keys else value for i, value in enumerate(args))
+    kwargs = {name: value.clone() if name in keys else value for name, value in kwargs.items()}
+    return args, kwargs
+
+
+def _written(keys: frozenset, originals: tuple, copies: tuple, outputs: Any) -> frozenset:
+    """The inputs at ``keys`` the call wrote into: their copies changed, or an output
+    lives in a copy's storage (a write that happened to leave the values as they were)."""
+    storages = {
+        t.untyped_storage().data_ptr()
+        for t in torch.utils._pytree.tree_leaves(outputs)
+        if isinstance(t, torch.Tensor)
+    }
+
+    def value(pair: tuple, key: Any) -> torch.Tensor:
+        return pair[0][key] if isinstance(key, int) else pair[1][key]
+
+    return frozenset(
+        key
+        for key in keys
+        if value(copies, key).untyped_storage().data_ptr() in storages
+        or not torch.equal(value(originals, key), value(copies, key))
+        and not torch.allclose(value(originals, key), value(copies, key), 0, 0, equal_nan=True)
+    )
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:
