@@ -133,7 +133,7 @@ class ConvNet(torch.nn.Module):
         self.fc = torch.nn.Linear(8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.relu(self.conv(x))
+        y = torch.relu_(self.conv(x))  # in place: it rewrites the conv's output tensor
         y = torch.relu(self.depthwise(y)) + y
         return self.fc(y.mean((2, 3)))
 
@@ -163,4 +163,6 @@ def test_empirical_correction_runs_the_graph_as_convert_computes_it(backend):
     with torch.no_grad():
         before = _sqnr(model(x), qcore.convert_pt2e(prepared)(x))
         after = _sqnr(model(x), qcore.convert_pt2e(corrected)(x))
-    assert after >= before - 0.1, (before, after)  # on the data it was corrected on
+    # on the data it was corrected on; measuring the conv's output after relu_ had
+    # rewritten it moved biases by the ReLU's cut: 28.5 -> 18.3 dB on resnet18_like
+    assert after >= before - 0.1, (before, after)

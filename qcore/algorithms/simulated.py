@@ -101,7 +101,7 @@ def float_pre_activations(
     gm: GraphModule, layers: dict[Node, Layer], batches: list[tuple]
 ) -> dict[Node, torch.Tensor]:
     """Each layer's :func:`sample_means` in float (observers pass values through)."""
-    outputs: dict[Node, list[torch.Tensor]] = {node: [] for node in layers}
+    means: dict[Node, list[torch.Tensor]] = {node: [] for node in layers}
     for args in batches:
         run = _Run(gm, quantized=False, full_range=True)
         run.start(args)
@@ -110,11 +110,12 @@ def float_pre_activations(
                 break
             if node in layers:
                 pre = run.pre_activation(node)
-                outputs[node].append(pre)
+                # now: an in-place op after the layer (``relu_``) rewrites this tensor
+                means[node].append(sample_means([pre], layers[node].is_linear))
                 run.step(node, run.finish(node, pre), computed=True)
             else:
                 run.step(node)
-    return {node: sample_means(found, layers[node].is_linear) for node, found in outputs.items()}
+    return {node: torch.cat(found) for node, found in means.items()}
 
 
 def simulated_steps(
