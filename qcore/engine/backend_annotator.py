@@ -31,7 +31,12 @@ from qcore.engine.float_islands import (
 )
 from qcore.engine.match import Match, find_matches, is_match_all, node_op
 from qcore.engine.qconfigs import pattern_qconfig
-from qcore.observers import PlaceholderObserver
+from qcore.observers import (
+    FakeQuantize,
+    MinMaxObserver,
+    MovingAverageMinMaxObserver,
+    PlaceholderObserver,
+)
 from qcore.ops import storage_dtype
 from qcore.quantizer.spec import (
     DerivedQuantizationSpec,
@@ -433,12 +438,46 @@ def _fake_quantizes(spec: QuantizationSpec) -> bool:
 
 def _has_fixed_qparams(node: Node, annotations: dict[Node, QuantizationAnnotation]) -> bool:
     """Whether ``node``'s output is quantized with fixed qparams (tanh, sigmoid)."""
-    spec = _resolved(node, annotations)
+    return _is_fixed(_resolved(node, annotations))
+
+
+def _is_fixed(spec: Any) -> bool:
     if isinstance(spec, FixedQParamsQuantizationSpec):
         return True
     ctr = getattr(spec, "observer_or_fake_quant_ctr", None)
     inner = getattr(getattr(ctr, "p", ctr), "func", ctr)
     return "FixedQParams" in getattr(inner, "__name__", "")
+
+
+def _input_spec(act_spec: QuantizationSpec, cache: dict[int, QuantizationSpec]) -> Any:
+    """The spec of a pattern's activation input: its QConfig's, except for an op with
+    fixed qparams (sigmoid, tanh, hardsigmoid, softmax). Those are its *output's*:
+    an input nothing quantized feeds (``sigmoid(x.cumsum(1))``, a standalone
+    module's float output) quantized with them was clipped to [0, 1) (10.8 dB, as
+    torch.ao). It is observed from its values instead, in the same dtype and range
+    (an input already quantized reads its producer's observer, as before)."""
+    if not _is_fixed(act_spec):
+        return act_spec
+    fixed = act_spec.observer_or_fake_quant_ctr()
+    key = (_fake_quantizes(act_spec), act_spec.dtype, fixed.quant_min, fixed.quant_max)
+    if key not in _OBSERVED_INPUTS:
+        observer = MinMaxObserver.with_args(
+            dtype=act_spec.dtype, quant_min=fixed.quant_min, quant_max=fixed.quant_max
+        )
+        if key[0]:
+            observer = FakeQuantize.with_args(
+                observer=MovingAverageMinMaxObserver,
+                dtype=act_spec.dtype,
+                quant_min=fixed.quant_min,
+                quant_max=fixed.quant_max,
+            )
+        _OBSERVED_INPUTS[key] = observer
+    return spec_from_ctr(_OBSERVED_INPUTS[key], cache)
+
+
+# Observer constructors for fixed-qparams ops' inputs, one per kind (specs are cached
+# by constructor identity).
+_OBSERVED_INPUTS: dict[tuple, Any] = {}
 
 
 def _scalar_qparams(
@@ -616,7 +655,7 @@ def _annotate(
                     # torch.ao FX quantizes a dynamic pattern's first input alone (its
                     # is_zeroth_arg): a recurrent layer's hidden state enters float.
                     continue
-                annotation.input_qspec_map[arg] = act_spec
+                annotation.input_qspec_map[arg] = _input_spec(act_spec, cache)
                 first_edge = first_edge or (arg, node)
     output = annotations.setdefault(match.output, QuantizationAnnotation(_annotated=True))
     if observation is ObservationType.OUTPUT_SHARE_OBSERVER_WITH_INPUT:
