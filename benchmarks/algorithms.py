@@ -278,6 +278,16 @@ def qcore_sqnr(case: Case, exported: torch.fx.GraphModule, backend: str, recipe:
     return score(case.model, qcore.convert_pt2e(prepared), case.evaluation)
 
 
+#: The recipes issue 17's ">= 2 dB on depthwise nets" target reads: equalization
+#: (across ReLU6 or not) followed by bias correction (fast or empirical).
+EQUALIZE_AND_CORRECT = (
+    "equalize+correct_bias",
+    "equalize(relu6)+correct_bias",
+    "equalize+correct_bias(empirical)",
+    "equalize(relu6)+correct_bias(empirical)",
+)
+
+
 #: FX (qcore.quantize itself) on the example models: what algorithms= feeds.
 FX_RECIPES: dict[str, object] = {
     "plain": None,
@@ -497,13 +507,17 @@ def render(rows: list[Row], nncf_version: str | None, kept: dict[str, str] | Non
         peer = next((r for r in nncf_rows if r.model == row.model), None)
         notes = []
         if row.model.removesuffix(TRAINED_BN) in DEPTHWISE:
-            gain = max(
-                row.sqnr.get("equalize+correct_bias", math.nan),
-                row.sqnr.get("equalize(relu6)+correct_bias", math.nan),
-            ) - row.sqnr.get("plain", math.nan)
+            # either equalize variant, either bias correction method
+            tried = {
+                label: row.sqnr[label]
+                for label in EQUALIZE_AND_CORRECT
+                if not math.isnan(row.sqnr.get(label, math.nan))
+            }
+            label = max(tried, key=tried.get) if tried else "equalize+correct_bias"
+            gain = tried.get(label, math.nan) - row.sqnr.get("plain", math.nan)
             notes.append(
-                f"equalize + correct_bias over plain: {gain:+.1f} dB "
-                f"({'met' if gain >= 2.0 else 'NOT met'}, target >= 2 dB)"
+                f"equalize + correct_bias over plain: {gain:+.1f} dB ({label}; "
+                f"{'met' if gain >= 2.0 else 'NOT met'}, target >= 2 dB)"
             )
         if peer is not None:
             ours, theirs = best(row)[1], best(peer)[1]
