@@ -239,6 +239,7 @@ def annotate_with_backend_config(
         indexes = match.config._input_type_to_index or op_indexes.get(match.root.target, {})
         _annotate(match, qconfig, dtype_config, tensor_nodes, annotations, spec_cache, indexes)
     reuse_observed_inputs(annotations)
+    share_float_inputs_of_cat(annotations)
     reusing_float = {
         node
         for decision in decisions
@@ -355,6 +356,28 @@ def reuse_observed_inputs(annotations: dict[Node, QuantizationAnnotation]) -> No
                 continue
             if getattr(produced, "dtype", None) == getattr(spec, "dtype", None):
                 annotation.input_qspec_map[producer] = SharedQuantizationSpec(producer)
+
+
+def share_float_inputs_of_cat(annotations: dict[Node, QuantizationAnnotation]) -> None:
+    """An op whose output shares its first input's observer and that takes more
+    inputs (``torch.cat``): each input no quantized op produces (a float op's
+    output, a graph input) shares that observer too, as torch.ao FX does. With an
+    observer each, every such input was rounded to its own scale, then again to the
+    output's (cat of two ``cumsum``s: 31.1 dB against float, torch.ao 32.2). An input
+    a quantized op produces keeps reading that op's observer."""
+    for node, annotation in annotations.items():
+        output = annotation.output_qspec
+        if not isinstance(output, SharedQuantizationSpec) or len(annotation.input_qspec_map) < 2:
+            continue
+        first = output.edge_or_node
+        if not (isinstance(first, tuple) and first[1] is node):
+            continue
+        for producer, spec in list(annotation.input_qspec_map.items()):
+            if (producer, node) == first or isinstance(spec, SharedQuantizationSpec):
+                continue
+            if getattr(spec, "is_dynamic", False) or _resolved(producer, annotations) is not None:
+                continue
+            annotation.input_qspec_map[producer] = SharedQuantizationSpec(first)
 
 
 def _annotate_custom_call(
