@@ -15,7 +15,7 @@ import torch
 from backends import backend_params
 from torch.ao.quantization import get_default_qconfig_mapping
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
-from zoo.baseline import backend_config
+from zoo.baseline import backend_config, quantized_engine
 
 import qcore
 
@@ -55,13 +55,14 @@ def test_cat_of_float_inputs_rounds_once_as_torch_ao(model_class, backend):
     calibration, held_out = data[:4], data[4]
     mapping = get_default_qconfig_mapping(backend)
     prepared = qcore.prepare_fx(copy.deepcopy(model), mapping, (data[0],), backend=backend)
-    torch.backends.quantized.engine = "qnnpack" if backend == "qnnpack" else "fbgemm"
     config = backend_config(backend)
-    theirs = prepare_fx(copy.deepcopy(model), mapping, (data[0],), backend_config=config)
-    for batch in calibration:
-        prepared(batch)
-        theirs(batch)
-    expected = model(held_out)
+    with quantized_engine("qnnpack" if backend == "qnnpack" else "fbgemm"):
+        theirs = prepare_fx(copy.deepcopy(model), mapping, (data[0],), backend_config=config)
+        for batch in calibration:
+            prepared(batch)
+            theirs(batch)
+        peer_model = convert_fx(theirs, backend_config=config)
+        expected = model(held_out)
+        peer = _sqnr(expected, peer_model(held_out))
     ours = _sqnr(expected, qcore.convert_fx(prepared)(held_out))
-    peer = _sqnr(expected, convert_fx(theirs, backend_config=config)(held_out))
     assert ours >= peer - 0.1, (ours, peer)

@@ -19,7 +19,7 @@ import torch.ao.quantization as tq
 from backends import backend_params
 from torch import nn
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_qat_fx
-from zoo.baseline import backend_config
+from zoo.baseline import backend_config, quantized_engine
 
 import qcore
 
@@ -78,10 +78,9 @@ def test_a_scalar_ops_result_gets_its_own_fake_quant(model_class, backend):
     assert _sqnr(expected, fake_quantized) >= 27
     assert _sqnr(expected, converted) >= 27
 
-    torch.backends.quantized.engine = "qnnpack" if backend == "qnnpack" else "fbgemm"
-    theirs, _ = _trained(
-        prepare_qat_fx, model.train(), backend, backend_config=backend_config(backend)
-    )
-    with torch.no_grad():
-        peer = convert_fx(theirs, backend_config=backend_config(backend))(x)
+    with quantized_engine("qnnpack" if backend == "qnnpack" else "fbgemm"):
+        config = backend_config(backend)
+        theirs, _ = _trained(prepare_qat_fx, model.train(), backend, backend_config=config)
+        with torch.no_grad():
+            peer = convert_fx(theirs, backend_config=config)(x)
     assert _sqnr(expected, converted) >= _sqnr(expected, peer) - 0.5

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from backends import backend_params
 from torch import nn
-from zoo.baseline import sqnr
+from zoo.baseline import quantized_engine, sqnr
 
 import qcore
 from qcore.config.qconfig import QConfigMapping, default_dynamic_qconfig
@@ -102,9 +102,8 @@ def test_float16_weights_leave_the_input_in_float32_as_torch_ao(backend):
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
     ours = qcore.quantize_dynamic(model, {nn.Linear}, torch.float16, backend=backend)
     assert "float16" not in ours.code
-    torch.backends.quantized.engine = backend
-    theirs = quantize_dynamic(model, {nn.Linear}, dtype=torch.float16)
-    with torch.no_grad():
+    with quantized_engine(backend), torch.no_grad():
+        theirs = quantize_dynamic(model, {nn.Linear}, dtype=torch.float16)
         assert torch.equal(ours(x), theirs(x))
 
 
