@@ -133,7 +133,7 @@ def correct_bias(
         gm.meta[_KEY] = ()
         return gm
     if method == "empirical":
-        changes = _empirical(gm, layers, prepared, calibration_data, input_fn)
+        changes = _empirical(gm, layers, qparams, prepared, calibration_data, input_fn)
     else:
         changes = _fast(gm, layers, qparams, prepared, calibration_data, input_fn)
     gm.meta[_KEY] = tuple(changes)
@@ -172,7 +172,7 @@ def _fast(gm, layers, qparams, prepared, calibration_data, input_fn) -> list[Cor
     return changes
 
 
-def _empirical(gm, layers, prepared, calibration_data, input_fn) -> list[CorrectedBias]:
+def _empirical(gm, layers, qparams, prepared, calibration_data, input_fn) -> list[CorrectedBias]:
     from qcore.calibration import calibration_calls
     from qcore.pt2e.prepare import PT2E_STATE_KEY
 
@@ -205,7 +205,7 @@ def _empirical(gm, layers, prepared, calibration_data, input_fn) -> list[Correct
             layer.bias.data.add_(shift)
             return shift
 
-        simulated_steps(gm, layers, batches, full_range, adjust)
+        simulated_steps(gm, layers, qparams, batches, full_range, adjust)
     return changes
 
 

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Interpreter, Node
 
-from qcore.algorithms.layers import Layer, is_observer_module, weight_qparams, weighted_module
-from qcore.engine.reference import fake_quantize, qparams_of
+from qcore.algorithms.layers import Layer, is_observer_module, weighted_module
+from qcore.engine.reference import QParams, fake_quantize, qparams_of
 
 __all__ = ["float_pre_activations", "sample_means", "simulated_steps"]
 
@@ -121,6 +121,7 @@ def float_pre_activations(
 def simulated_steps(
     gm: GraphModule,
     layers: dict[Node, Layer],
+    weight_qparams: dict[Node, QParams],
     batches: list[tuple],
     full_range: bool,
     adjust: Callable[[Node, list[torch.Tensor]], torch.Tensor | None],
@@ -128,11 +129,12 @@ def simulated_steps(
     """Runs every batch through ``gm`` as converted, in step, node by node. At each
     layer, ``adjust(node, pre_activations)`` may return a per-channel shift: it is
     added to those outputs before the rest of the graph sees them (the caller has
-    added it to the layer's bias)."""
+    added it to the layer's bias). ``weight_qparams``: each layer's, as convert
+    quantizes its weight."""
     runs = [_Run(gm, quantized=True, full_range=full_range) for _ in batches]
     for node, layer in layers.items():
-        qparams = weight_qparams(gm, node, layer) if node.op == "call_module" else None
-        if qparams is not None:
+        qparams = weight_qparams.get(node) if node.op == "call_module" else None
+        if qparams is not None:  # FX: the module's weight (PT2E: its observer node)
             dequantized = fake_quantize(layer.weight, qparams)[1].to(layer.weight.dtype)
             for run in runs:
                 run.weights[node.target] = dequantized
