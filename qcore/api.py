@@ -118,10 +118,17 @@ def _default_mapping(installed: Any, is_qat: bool, name: str = "x86") -> Any:
 
 
 def _installed_or_none(backend: str) -> Any:
+    """The installed backend; None for a first-party name whose plugin is not
+    installed (qcore has its mapping); any other unknown name is an error (a typo
+    would otherwise get x86's mapping, and 7-bit activations, without a word)."""
+    from qcore.config.qconfig import BACKEND_KINDS
+
     try:
         return get_backend(backend)
     except UnknownBackendError:
-        return None
+        if backend in BACKEND_KINDS:
+            return None
+        raise
 
 
 def get_default_qconfig_mapping(backend: str = "x86") -> Any:

@@ -234,3 +234,16 @@ def test_each_backends_default_mapping_keeps_its_activation_range(kind):
         ):
             ours, theirs = mapping.global_qconfig.activation(), peer.global_qconfig.activation()
             assert (ours.quant_min, ours.quant_max) == (theirs.quant_min, theirs.quant_max), kind
+
+
+@pytest.mark.parametrize("typo", ["qnnpak", "fbgem", "X86"])
+@pytest.mark.parametrize("is_qat", [False, True])
+def test_an_unknown_backend_name_for_the_default_mapping_is_an_error(typo, is_qat):
+    # It used to return x86's mapping (7-bit activations): qnnpack models lost 5 dB
+    # without a word. torch.ao refuses the name too.
+    import qcore
+
+    get = qcore.get_default_qat_qconfig_mapping if is_qat else qcore.get_default_qconfig_mapping
+    with pytest.raises(qcore.UnknownBackendError, match=f"unknown backend '{typo}'"):
+        get(typo)
+
