@@ -246,4 +246,3 @@ def test_an_unknown_backend_name_for_the_default_mapping_is_an_error(typo, is_qa
     get = qcore.get_default_qat_qconfig_mapping if is_qat else qcore.get_default_qconfig_mapping
     with pytest.raises(qcore.UnknownBackendError, match=f"unknown backend '{typo}'"):
         get(typo)
-

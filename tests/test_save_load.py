@@ -123,3 +123,44 @@ def test_the_reference_form_round_trips_through_torch_save(backend):
     loaded = torch.load(buffer, weights_only=False)
     assert qcore.explain(loaded) == qcore.explain(reference)
     torch.testing.assert_close(loaded(x), reference(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("form", ["lowered", "reference", "pt2e"])
+def test_a_deep_copy_of_a_converted_model_round_trips_through_torch_save(form, backend):
+    """Keeping a deep copy of the best model and saving it is a common loop. The deep
+    copy took the graph's tracer class (qcore's, which needs prepare-time arguments),
+    and torch.load failed: ``QuantizationTracer.__init__() missing 2 required
+    positional arguments``."""
+    import copy
+
+    import torch.nn.functional as F
+
+    import qcore
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc2(F.relu(self.fc1(x)))
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    if form == "pt2e":
+        prepared = qcore.prepare_pt2e(torch.export.export(Net().eval(), (x,)).module(), backend)
+    else:
+        prepared = qcore.prepare_fx(Net().eval(), None, (x,), backend=backend)
+    prepared(x)
+    convert = {
+        "lowered": qcore.convert_fx,
+        "reference": qcore.convert_to_reference_fx,
+        "pt2e": qcore.convert_pt2e,
+    }[form]
+    converted = convert(prepared)
+    buffer = io.BytesIO()
+    torch.save(copy.deepcopy(converted), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    torch.testing.assert_close(loaded(x), converted(x), rtol=0, atol=0)

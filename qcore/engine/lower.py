@@ -549,7 +549,7 @@ def make_picklable(gm: GraphModule) -> None:
     branch failed there)."""
     for key in _PREPARE_STATE_KEYS:
         gm.meta.pop(key, None)
-    gm._tracer_cls = None
+    gm._tracer_cls = gm.graph._tracer_cls = None  # a deep copy takes the graph's
     for node in gm.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "__module__", "") == ops.__name__:
             node.meta["is_wrapped"] = True
