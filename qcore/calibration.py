@@ -117,6 +117,7 @@ def calibration_calls(
             "batches (a list, a DataLoader), e.g. [x1, x2] or [(x1, y1), (x2, y2)]"
         )
     forward = _Forward(model)
+    index = -1
     for index, batch in enumerate(calibration_data):
         value = batch if input_fn is None else input_fn(batch)
         try:
@@ -132,3 +133,10 @@ def calibration_calls(
                 "to them"
             ) from None
         yield args, kwargs
+    if index < 0:
+        # Observers that saw nothing give qparams for an empty range: a model near
+        # 0 dB, with only a warning per observer.
+        raise ValueError(
+            f"calibration_data: got {_summary(calibration_data)}, which gave no batches; "
+            "expected at least one (a generator can be iterated once only: pass a list)"
+        )

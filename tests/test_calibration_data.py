@@ -134,3 +134,19 @@ def test_quantize_reports_the_bad_batch(backend):
     xs, _, _ = _data()
     with pytest.raises(TypeError, match=r"calibration batch 2: got int 7"):
         qcore.quantize(OneInput().eval(), (xs[:1],), [xs[:4], xs[4:8], 7], backend)
+
+
+@pytest.mark.parametrize("backend", BACKEND)
+@pytest.mark.parametrize("empty", ["list", "spent generator", "empty loader"])
+def test_calibration_data_that_gives_no_batch_is_an_error(empty, backend):
+    # It returned a model near 0 dB, with only a warning per observer.
+    xs, _, _ = _data()
+    spent = (x for x in [xs])
+    list(spent)
+    data = {
+        "list": [],
+        "spent generator": spent,
+        "empty loader": DataLoader(TensorDataset(xs[:0]), batch_size=4),
+    }[empty]
+    with pytest.raises(ValueError, match="calibration_data: got .* which gave no batches"):
+        qcore.quantize(OneInput().eval(), (xs[:2],), data, backend=backend)
