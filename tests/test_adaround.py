@@ -204,7 +204,7 @@ def test_bad_arguments_are_named():
             qcore.adaround(prepared, _data(), **{name: value})
     with pytest.raises(TypeError, match=r"progress: got 'yes'.*True, False or None"):
         qcore.adaround(prepared, _data(), progress="yes")
-    with pytest.raises(ValueError, match=r"calibration_data: got no batches"):
+    with pytest.raises(ValueError, match=r"calibration_data: got .*which gave no batches"):
         qcore.adaround(prepared, [])
 
 

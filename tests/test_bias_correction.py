@@ -119,7 +119,7 @@ def test_bad_arguments_are_named():
         qcore.correct_bias(torch.nn.Linear(2, 2), [])
     prepared = _calibrated(RoundsDown().eval(), "fx", _backend())
     for method in METHODS:
-        with pytest.raises(ValueError, match=r"calibration_data: got no batches"):
+        with pytest.raises(ValueError, match=r"calibration_data: got .*which gave no batches"):
             qcore.correct_bias(prepared, [], method=method)
     with pytest.raises(ValueError, match=r"method: got 'exact'; expected 'fast' or 'empirical'"):
         qcore.correct_bias(prepared, _data(), method="exact")

@@ -178,7 +178,7 @@ def test_bad_arguments_are_named():
         qcore.smooth_quant(prepared, _data(), alpha={"qq": 0.5})
     with pytest.raises(ValueError, match=r"linears \['q', 'k'\] share one input.*0.3, 0.6"):
         qcore.smooth_quant(prepared, _data(), alpha={"q": 0.3, "k": 0.6})
-    with pytest.raises(ValueError, match=r"calibration_data: got no batches"):
+    with pytest.raises(ValueError, match=r"calibration_data: got .*which gave no batches"):
         qcore.smooth_quant(prepared, [])
     with torch.no_grad():
         prepared(_X)

@@ -184,8 +184,6 @@ def _empirical(gm, layers, qparams, prepared, calibration_data, input_fn) -> lis
                 f"batch {len(batches)} gave keyword arguments {sorted(kwargs)}"
             )
         batches.append(args)
-    if not batches:
-        raise ValueError("calibration_data: got no batches; expected at least one")
     had_bias = {node: layer.bias is not None for node, layer in layers.items()}
     for node, layer in list(layers.items()):
         if layer.bias is None:  # a zero bias to correct, read where the layer reads it

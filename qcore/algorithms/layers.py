@@ -223,15 +223,12 @@ def record_inputs(
     """Runs ``recorder`` on each calibration batch (the forms ``qcore.quantize`` takes)."""
     from qcore.calibration import calibration_calls
 
-    batches = 0
     with torch.no_grad():
-        for args, kwargs in calibration_calls(prepared, calibration_data, input_fn):
+        calls = calibration_calls(prepared, calibration_data, input_fn)
+        for index, (args, kwargs) in enumerate(calls):
             if kwargs:
                 raise TypeError(
                     f"calibration_data: {what} runs the graph on positional inputs; "
-                    f"batch {batches} gave keyword arguments {sorted(kwargs)}"
+                    f"batch {index} gave keyword arguments {sorted(kwargs)}"
                 )
             recorder.run(*args)
-            batches += 1
-    if not batches:
-        raise ValueError("calibration_data: got no batches; expected at least one")
