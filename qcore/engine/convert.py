@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 import torch
+from torch.nn.utils import parametrize
 from torch.fx import GraphModule, Node
 
 from qcore import ops
@@ -41,6 +42,21 @@ def state_of(gm: Any) -> PreparedState:
 def _set_module(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
     parent_name, _, attr = name.rpartition(".")
     setattr(root.get_submodule(parent_name) if parent_name else root, attr, module)
+
+
+def _remove_parametrizations(module: torch.nn.Module) -> None:
+    """Turns parametrized weights (weight_norm, spectral_norm, ``parametrize``) into
+    plain parameters holding their present values, the weights that get quantized.
+    ``module`` is convert's own copy."""
+    for owner in module.modules():
+        if parametrize.is_parametrized(owner):
+            # torch's removal deletes each property from the module's class, which a
+            # deep copy shares with the user's module: that one gets a class of its own.
+            shared = owner.__class__
+            own = {k: v for k, v in vars(shared).items() if k not in ("__dict__", "__weakref__")}
+            owner.__class__ = type(shared.__name__, shared.__bases__, own)
+            for name in list(owner.parametrizations):
+                parametrize.remove_parametrizations(owner, name, leave_parametrized=True)
 
 
 def _float_and_weight_qparams(
@@ -74,6 +90,7 @@ def _swap_reference_modules(gm: GraphModule, state: PreparedState) -> None:
         if not is_quantized_dtype(accepted.dtype_config.weight_dtype):
             continue
         module = modules[accepted.root_target]
+        _remove_parametrizations(module)
         original_type = accepted.config.pattern_complex_format
         original_type = original_type if isinstance(original_type, type) else type(module)
         float_module, weight_qparams = _float_and_weight_qparams(module, accepted.qconfig)

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.fx import Node
 
+from torch.nn.utils.parametrize import type_before_parametrizations
+
 from qcore.config import BackendPatternConfig
 from qcore.config.pattern import MatchAllNode
 
@@ -31,7 +33,7 @@ def is_match_all(op: Any) -> bool:
 def node_op(node: Node, modules: Mapping[str, torch.nn.Module]) -> Any:
     """What a node runs: the module's class, the function, or the method name."""
     if node.op == "call_module":
-        return type(modules[node.target])
+        return type_before_parametrizations(modules[node.target])
     if node.op in ("call_function", "call_method"):
         return node.target
     return None
@@ -39,7 +41,7 @@ def node_op(node: Node, modules: Mapping[str, torch.nn.Module]) -> Any:
 
 def _op_matches(node: Node, op: Any, modules: Mapping[str, torch.nn.Module]) -> bool:
     if isinstance(op, type) and issubclass(op, torch.nn.Module):
-        return node.op == "call_module" and type(modules[node.target]) is op
+        return node.op == "call_module" and type_before_parametrizations(modules[node.target]) is op
     if isinstance(op, str):
         return node.op == "call_method" and node.target == op
     return node.op == "call_function" and node.target is op
@@ -131,7 +133,10 @@ class _Candidates:
         self, node: Node, modules: Mapping[str, torch.nn.Module]
     ) -> list[BackendPatternConfig]:
         if node.op == "call_module":
-            key: tuple[str, Any] = ("call_module", type(modules[node.target]))
+            key: tuple[str, Any] = (
+                "call_module",
+                type_before_parametrizations(modules[node.target]),
+            )
         else:
             key = (node.op, node.target)
         merged = self._merged.get(key)
