@@ -13,8 +13,8 @@ import dataclasses
 from typing import Any
 
 import torch
-from torch.nn.utils import parametrize
 from torch.fx import GraphModule, Node
+from torch.nn.utils import parametrize
 
 from qcore import ops
 from qcore.engine.backend_annotator import is_quantized_dtype

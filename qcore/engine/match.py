@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch.fx import Node
-
 from torch.nn.utils.parametrize import type_before_parametrizations
 
 from qcore.config import BackendPatternConfig
