@@ -200,10 +200,16 @@ def _first_differing_module(gm: GraphModule, eager: torch.nn.Module, inputs: tup
 
 
 def warn_if_unfaithful(
-    gm: GraphModule, eager: torch.nn.Module, probed: Probe, example_inputs: tuple
+    gm: GraphModule,
+    eager: torch.nn.Module,
+    probed: Probe,
+    example_inputs: tuple,
+    *,
+    hooked: bool = False,
 ) -> None:
     """A QCoreWarning naming the first output, and the first leaf module, where the
-    traced graph's values differ from the model's forward on the example inputs."""
+    traced graph's values differ from the model's forward on the example inputs
+    (``hooked``: the model has forward hooks, the likeliest cause)."""
     traced, _ = tree_flatten(probed.traced_output)
     expected, _ = tree_flatten(probed.eager_output)
     if len(traced) != len(expected):
@@ -219,11 +225,17 @@ def warn_if_unfaithful(
             if module
             else ""
         )
+        hooks = (
+            " The model has forward hooks (named in the warning before), which the traced "
+            "graph does not run: the likeliest cause."
+            if hooked
+            else ""
+        )
         warnings.warn(
             f"prepare: the traced graph does not compute what the model's forward does on "
             f"the example inputs: output {index} differs by up to {found[0]:.3g} (values "
             f"reach {found[1]:.3g}){where}. The quantized model is made from the traced "
-            "graph and would carry the difference. torch.fx traces an augmented assignment "
+            f"graph and would carry the difference.{hooks} torch.fx traces an augmented assignment "
             "on a tensor (a += b) as a + b, so a view of a taken before it misses the write: "
             "write a.add_(b), which keeps the meaning and which qcore follows. It also "
             "freezes Python values (flags, random draws outside torch) at their traced "

@@ -18,6 +18,7 @@ from torch.fx import GraphModule, Tracer
 from qcore.config.errors import describe
 from qcore.engine.custom_config import CustomConfig, as_custom_config
 from qcore.engine.fidelity import probe, warn_if_unfaithful
+from qcore.engine.hooks import hooked_modules, warn_of_hooks
 from qcore.engine.in_place import make_traced_writes_visible
 
 __all__ = [
@@ -102,10 +103,12 @@ def trace(
             f"or {{'non_traceable_module_class': [{cls.__name__}]}}"
         ) from error
     gm = GraphModule(tracer.root, graph, type(model).__name__)
+    hooked = hooked_modules(model)
+    warn_of_hooks(hooked)
     probed = probe(gm, tracer.root, example_inputs) if example_inputs is not None else None
     make_traced_writes_visible(gm, probed.storages if probed else None)
     if probed is not None:
-        warn_if_unfaithful(gm, tracer.root, probed, example_inputs)
+        warn_if_unfaithful(gm, tracer.root, probed, example_inputs, hooked=bool(hooked))
     return gm
 
 
