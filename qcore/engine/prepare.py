@@ -242,6 +242,7 @@ def prepare(
     )
     annotate_standalone_inputs(standalone_calls, qconfigs, annotations, entries)
     _observe_quantized_outputs(gm, annotations, qconfigs, qconfig_mapping, custom_config)
+    _check_float32(annotations)
     _attach_qconfigs(gm, qconfigs)
     if is_qat:
         _swap_qat_modules(gm, decisions)
@@ -266,6 +267,25 @@ def prepare(
     report = Report(backend_name, [entries[n.name] for n in gm.graph.nodes])
     _warn_skipped(attach_report(gm, report), qconfigs)
     return gm
+
+
+def _check_float32(annotations: dict[Node, QuantizationAnnotation]) -> None:
+    """FX's quantize ops take float32: a bfloat16, float16 or float64 value to be
+    quantized is an error here, not at the converted model's first call."""
+    for node, annotation in annotations.items():
+        points = [arg for arg, spec in annotation.input_qspec_map.items() if spec is not None]
+        if annotation.output_qspec is not None:
+            points.append(node)
+        for point in points:
+            meta = point.meta.get("tensor_meta")
+            dtype = getattr(meta, "dtype", torch.float32)
+            if dtype.is_floating_point and dtype != torch.float32:
+                raise ValueError(
+                    f"model: node {point.name!r} computes in {dtype} and would be quantized; "
+                    "FX quantization takes float32 models (torch.ao's convert refuses the "
+                    "others too). Call model.float() and pass float32 inputs, or use "
+                    "prepare_pt2e, which keeps the model's dtype around its int8 ops."
+                )
 
 
 def _observe_quantized_outputs(
