@@ -2,7 +2,7 @@
 is an error at prepare, naming the node and the dtype. The converted bfloat16,
 float16 or float64 model used to fail at its first call ("Quantize only works on
 Float Tensor, got BFloat16"), after convert and explain had reported it quantized.
-(prepare_pt2e keeps a bfloat16 model's dtype: tests/test_pt2e_extended.py.)"""
+(prepare_pt2e keeps a bfloat16 model's dtype: tests/test_pt2e_torchao_quantizers.py.)"""
 
 from __future__ import annotations
 
