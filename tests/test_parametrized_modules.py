@@ -77,3 +77,15 @@ def test_parametrized_layers_are_quantized_as_torch_ao_quantizes_them(kind, back
     assert parametrize.is_parametrized(model.conv)
     with torch.no_grad():
         torch.testing.assert_close(model(held_out), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_qconfig_for_the_layer_class_covers_its_parametrized_layers(backend):
+    model = _parametrized("weight_norm")
+    mapping = qcore.get_default_qconfig_mapping(backend).set_object_type(nn.Linear, None)
+    x = torch.randn(4, 8, 10)
+    prepared = qcore.prepare_fx(model, mapping, (x,), backend=backend)
+    prepared(x)
+    statuses = {e.node: e.status.value for e in qcore.explain(qcore.convert_fx(prepared)).entries}
+    assert statuses["fc1"] == statuses["fc2"] == "float"
+    assert statuses["conv"] == "quantized"

@@ -246,3 +246,41 @@ def test_an_unknown_backend_name_for_the_default_mapping_is_an_error(typo, is_qa
     get = qcore.get_default_qat_qconfig_mapping if is_qat else qcore.get_default_qconfig_mapping
     with pytest.raises(qcore.UnknownBackendError, match=f"unknown backend '{typo}'"):
         get(typo)
+
+
+def test_a_module_name_that_names_no_module_is_warned_about():
+    # torch.ao ignores it: the layer the user meant to keep float is quantized, silently.
+    import torch.nn.functional as F
+    from torch.ao.quantization.backend_config import get_native_backend_config
+
+    import qcore
+    from qcore.config.errors import QCoreWarning
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+            self.head = torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.head(F.relu(self.block(x)))
+
+    mapping = (
+        qcore.QConfigMapping()
+        .set_global(default_qconfig)
+        .set_module_name("block.0", None)  # exists
+        .set_module_name("haed", None)
+        .set_module_name_regex(r"blok\..*", None)
+        .set_module_name_regex(r"block\..*", None)  # matches
+        .set_module_name_object_type_order("", F.relu, 0, None)  # the model itself
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qcore.prepare_fx(
+            Net().eval(), mapping, (torch.randn(2, 8),), backend_config=get_native_backend_config()
+        )
+    messages = [str(w.message) for w in caught if issubclass(w.category, QCoreWarning)]
+    named = [m for m in messages if "names no module" in m]
+    assert len(named) == 1, messages
+    assert "module name 'haed'; module name regex 'blok\\\\..*'" in named[0]
+    assert "'block" not in named[0]

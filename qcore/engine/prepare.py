@@ -29,7 +29,7 @@ from qcore.engine.float_islands import gains_nothing
 from qcore.engine.fuse import fuse_graph
 from qcore.engine.infer import inferred_tensor_nodes
 from qcore.engine.observe import insert_observers, name_observers_per_call
-from qcore.engine.qconfigs import assign_qconfigs, pattern_qconfig
+from qcore.engine.qconfigs import assign_qconfigs, pattern_qconfig, unmatched_names
 from qcore.engine.standalone import (
     PrepareOne,
     StandaloneCall,
@@ -221,6 +221,7 @@ def prepare(
     modules = dict(gm.named_modules(remove_duplicate=False))
     nodes = list(gm.graph.nodes)
     qconfigs = assign_qconfigs(nodes, modules, qconfig_mapping, type(model))
+    _warn_unmatched(unmatched_names(model, qconfig_mapping))
     notes: dict[Node, str] = {}
     fuse_graph(
         gm, backend_config, is_qat, lambda new, old: _fused_qconfig(new, old, qconfigs, notes)
@@ -267,6 +268,17 @@ def prepare(
     report = Report(backend_name, [entries[n.name] for n in gm.graph.nodes])
     _warn_skipped(attach_report(gm, report), qconfigs)
     return gm
+
+
+def _warn_unmatched(names: list[str]) -> None:
+    if names:
+        warnings.warn(
+            f"prepare: qconfig_mapping sets a QConfig for {'; '.join(names)}, which names "
+            "no module of the model: nothing gets that QConfig from it. Module names are "
+            "those of model.named_modules().",
+            QCoreWarning,
+            stacklevel=caller_stacklevel(),
+        )
 
 
 def _check_float32(annotations: dict[Node, QuantizationAnnotation]) -> None:

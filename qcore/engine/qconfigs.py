@@ -18,10 +18,12 @@ from typing import Any
 
 import torch
 from torch.fx import Node
+from torch.nn.utils.parametrize import type_before_parametrizations
 
 __all__ = [
     "assign_qconfigs",
     "node_scope",
+    "unmatched_names",
     "pattern_qconfig",
     "qconfig_equals",
 ]
@@ -66,7 +68,7 @@ def assign_qconfigs(
     modules: Mapping[str, torch.nn.Module],
     mapping: Any,
     root_type: type,
-    class_of: Callable[[torch.nn.Module], type] = type,
+    class_of: Callable[[torch.nn.Module], type] = type_before_parametrizations,
 ) -> dict[Node, Any]:
     """node -> its QConfig (or None) for every call node; ``class_of`` gives the
     class a module is looked up by (convert maps a QAT module to its float class)."""
@@ -93,6 +95,24 @@ def assign_qconfigs(
             seen[parent][module_type] += 1
             result[node] = _by_order(mapping, parent, module_type, index, qconfig)
     return result
+
+
+def unmatched_names(model: torch.nn.Module, mapping: Any) -> list[str]:
+    """The mapping's module names and name regexes that name no module of ``model``
+    (a typo there quantizes, silently, what the user meant to keep float)."""
+    names = {name for name, _ in model.named_modules()}
+    found = [f"module name {name!r}" for name in mapping.module_name_qconfigs if name not in names]
+    found += [
+        f"module name regex {regex!r}"
+        for regex in mapping.module_name_regex_qconfigs
+        if not any(re.match(regex, name) for name in names)
+    ]
+    found += [
+        f"module name {name!r} (object type {object_type!r}, index {index})"
+        for name, object_type, index in mapping.module_name_object_type_order_qconfigs
+        if name not in names
+    ]
+    return found
 
 
 def _ctr_key(ctr: Any) -> Any:
