@@ -7,7 +7,7 @@ float bias -- so ``state_dict()`` holds plain tensors, ``load_state_dict``
 re-packs from the loaded ones, and pickling (``torch.save`` of the whole model,
 ``copy.deepcopy``) drops the packed object and re-packs on load, for the
 kernel's own engine whatever ``torch.backends.quantized.engine`` says then
-(:func:`qcore.kernels.runtime.packing_for`).
+(:func:`qcore.kernels.runtime.packed_for`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from qcore.engine.reference import QParams, ReferenceModule, weighted_child
 from qcore.kernels.runtime import (
     TORCH_QUANTIZED_DTYPE,
-    packing_for,
+    packed_for,
     quiet_quantized_tensors,
 )
 
@@ -138,15 +138,14 @@ class PackedWeights(OutputQParamsState):
         )
 
     def pack(self) -> Any:
-        """The packed object for the kernel's engine (called inside ``packing_for``)."""
+        """The packed object for the kernel's engine (called inside ``packed_for``)."""
         raise NotImplementedError
 
     def repack(self) -> None:
         if not self.packs_for_global_engine:
             self._packed = self.pack()
             return
-        with packing_for(self.engine):
-            self._packed = self.pack()
+        self._packed = packed_for(self.engine, self.pack)
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         super()._load_from_state_dict(*args, **kwargs)

@@ -5,7 +5,8 @@ A converted model carries its backend's kernels whatever the global
 own engine, and no kernel reads or sets that global while it runs. Only packing
 touches it, because torch's prepack ops (``quantized::linear_prepack``,
 ``conv2d_prepack``, ...) take no engine argument and pack for the global one:
-:func:`packing_for` sets it, packs and restores it under one module-level lock.
+:func:`packed_for` sets it, packs and restores it under one module-level lock, and
+packs again if another thread set it meanwhile.
 
 torch's int8 kernels take torch.quint8/qint8 tensors. torch 2.13 deprecates
 creating them and warns, once per process (TORCH_WARN_ONCE). qcore's kernels
@@ -21,13 +22,15 @@ import functools
 import platform
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 __all__ = [
     "TORCH_QUANTIZED_DTYPE",
     "int8_products_saturate",
+    "packed_for",
     "packing_for",
     "pair_sums_may_saturate",
     "saturates_uint8_products",
@@ -147,6 +150,27 @@ def packing_for(engine: str) -> Iterator[None]:
             # A thread outside qcore may have set the global meanwhile: its setting stays.
             if torch.backends.quantized.engine == engine:
                 torch.backends.quantized.engine = previous
+
+
+def packed_for(engine: str, pack: Callable[[], Any]) -> Any:
+    """``pack()`` (a torch prepack call) run with the global engine set to ``engine``.
+
+    The lock keeps qcore's threads apart, not the user's: one may set the global
+    while ``pack`` runs, and torch's prepack then packs for that engine (outputs a
+    step off, or many where ``engine`` was chosen for exact sums). So it packs again
+    until a call starts and ends under ``engine``."""
+    for _ in range(_PACKING_ATTEMPTS):
+        with packing_for(engine):
+            packed = pack()
+            if torch.backends.quantized.engine == engine:
+                return packed
+    raise RuntimeError(
+        f"could not pack weights for the {engine!r} engine: another thread kept setting "
+        f"torch.backends.quantized.engine ({_PACKING_ATTEMPTS} attempts)"
+    )
+
+
+_PACKING_ATTEMPTS = 100
 
 
 @contextlib.contextmanager
