@@ -434,3 +434,39 @@ def test_a_user_thread_setting_the_engine_while_qcore_packs_changes_no_weight():
     with torch.no_grad():
         wrong = sum(not torch.equal(model(x), expected) for model in converted)
     assert wrong == 0
+
+
+class _LayerScaleResidual(torch.nn.Module):
+    """ConvNeXt's residual: a branch scaled by a layer scale of 1e-6 (its init)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        with torch.no_grad():
+            self.b.weight.mul_(1e-6)
+            self.b.bias.mul_(1e-6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.a(x) + self.b(x)), self.a(x) + self.b(x)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_add_of_scales_qnnpack_refuses_runs_under_every_engine(backend):
+    """torch.ops.quantized.add runs qnnpack's add when the global engine is qnnpack,
+    which refuses an input-to-output scale ratio outside [2**-14, 2**8) with an
+    internal assert: every backend's model crashed under that engine (qnnpack's own
+    too; torch.ao's as well)."""
+    x = torch.randn(8, 16)
+    prepared = qcore.prepare_fx(_LayerScaleResidual().eval(), None, (x,), backend=backend)
+    prepared(x)
+    converted = qcore.convert_fx(prepared)
+    kernels = {entry.kernel for entry in qcore.explain(converted).entries if entry.kernel}
+    assert any("add" in kernel for kernel in kernels), kernels
+    with torch.no_grad():
+        expected = [y.dequantize() if y.is_quantized else y for y in converted(x)]
+        for engine in ENGINES:
+            with global_engine(engine):
+                outputs = [y.dequantize() if y.is_quantized else y for y in converted(x)]
+            for output, wanted in zip(outputs, expected, strict=True):
+                torch.testing.assert_close(output, wanted, rtol=0, atol=0)

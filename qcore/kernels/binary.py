@@ -35,6 +35,11 @@ _cat = torch.ops.quantized.cat
 _matmul = torch.ops.quantized.matmul
 
 
+def _qnnpack_adds(ratio: float) -> bool:
+    """Whether qnnpack's add accepts this input-to-output scale ratio: [2**-14, 2**8)."""
+    return 2.0**-14 <= ratio < 2.0**8
+
+
 def _check_binary(match: KernelMatch) -> None:
     require(match.output is not None, "its output is not quantized")
     require(match.float_inputs == 0 and not match.dynamic, "an operand is a float tensor")
@@ -52,6 +57,16 @@ class QuantizedBinary(OutputKernel):
 
     def forward(self, a: torch.Tensor, b: torch.Tensor, out: Any = None) -> torch.Tensor:
         op = self.op_name
+        if op in ("add", "add_relu") and not (
+            _qnnpack_adds(a.q_scale() / self.scale) and _qnnpack_adds(b.q_scale() / self.scale)
+        ):
+            # torch runs qnnpack's add when the global engine is qnnpack, and it refuses
+            # such scales (an internal assert): a ConvNeXt layer scale of 1e-6 has them.
+            # The reference's computation reads no engine.
+            total = a.dequantize() + b.dequantize()
+            if self.relu:
+                total = torch.relu(total)
+            return torch.quantize_per_tensor(total, self.scale, self.zero_point, a.dtype)
         if op == "add":
             return _add(a, b, self.scale, self.zero_point)
         if op == "add_relu":
