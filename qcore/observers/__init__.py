@@ -7,6 +7,8 @@ or give NaN and infinite scales, on NaN, ±inf and huge calibration values,
 qcore's skip and clamp them and convert warns once (:mod:`qcore.observers.nonfinite`).
 """
 
+import sys
+
 import torch.ao.quantization
 
 from qcore.observers.base import ObserverBase, PartialConstructor, UniformQuantizationObserverBase
@@ -73,3 +75,19 @@ __all__ = [
 # have the same interface and state_dict keys, so they register as their subclasses.
 torch.ao.quantization.ObserverBase.register(ObserverBase)
 torch.ao.quantization.FakeQuantizeBase.register(FakeQuantizeBase)
+
+
+def register_with_torchao() -> None:
+    """The same with torchao's bases, where torchao is imported: its QAT toggles
+    (``model.apply(torchao.quantization.pt2e.disable_observer)``) test them and did
+    nothing to qcore's fake quants. qcore does not import torchao (a peer, not a
+    dependency): this runs at import and at each PT2E prepare."""
+    fake_quantize = sys.modules.get("torchao.quantization.pt2e.fake_quantize")
+    observer = sys.modules.get("torchao.quantization.pt2e.observer")
+    if fake_quantize is not None:
+        fake_quantize.FakeQuantizeBase.register(FakeQuantizeBase)
+    if observer is not None:
+        observer.ObserverBase.register(ObserverBase)
+
+
+register_with_torchao()

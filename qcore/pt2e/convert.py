@@ -128,6 +128,20 @@ def _to_eval(gm: GraphModule) -> None:
             node.args = (*node.args[:5], False, *node.args[6:])
         elif packet(node) is aten.dropout and len(node.args) > 2 and node.args[2]:
             node.args = (*node.args[:2], False, *node.args[3:])
+    for node in list(gm.graph.nodes):
+        # a training batch norm's count of batches: in eval it would count every call
+        if _counts_batches(node) and not node.users:
+            gm.graph.erase_node(node)
+
+
+def _counts_batches(node: Node) -> bool:
+    counter = node.args[0] if node.args else None
+    return (
+        packet(node) is aten.add_
+        and isinstance(counter, Node)
+        and counter.op == "get_attr"
+        and str(counter.target).endswith("num_batches_tracked")
+    )
 
 
 def _switch_to_eval(gm: GraphModule) -> None:

@@ -22,6 +22,7 @@ from torch.fx import GraphModule, Node
 from qcore.config.errors import describe
 from qcore.engine.explain import Entry, Report, Status, attach_report
 from qcore.engine.observe import ObserverPlan, insert_observers
+from qcore.observers import register_with_torchao
 from qcore.pt2e.aliasing import make_writes_visible
 from qcore.pt2e.backend_quantizer import PATTERN_KEY, REASON_KEY
 from qcore.pt2e.fold import fold_conv_bn, fold_linear_bn
@@ -252,6 +253,7 @@ def _prepare_graph(
 
 
 def _prepare(model: Any, quantizer: Any, is_qat: bool) -> GraphModule:
+    register_with_torchao()  # its QAT toggles then know qcore's fake quants
     if not isinstance(model, (GraphModule, torch.export.ExportedProgram)):
         as_exported_module(model, require_export=True)  # the model's error comes first
     chosen, backend_name, kernels = resolve_quantizer(quantizer, is_qat)
