@@ -470,3 +470,29 @@ def test_an_add_of_scales_qnnpack_refuses_runs_under_every_engine(backend):
                 outputs = [y.dequantize() if y.is_quantized else y for y in converted(x)]
             for output, wanted in zip(outputs, expected, strict=True):
                 torch.testing.assert_close(output, wanted, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_default_dtype_while_quantizing_changes_no_output(backend):
+    """Observers made their buffers (statistics, eps) in the default dtype: under
+    ``torch.set_default_dtype(torch.float64)`` scales came out in float64 and
+    outputs moved by a step (torch.ao's did not move)."""
+    entry = ZOO["resnet18_like"]
+    calibration = entry.calibration_data(3)
+    x = entry.calibration_data(1, seed=2)[0]
+
+    def quantized(dtype: torch.dtype) -> torch.Tensor:
+        model = entry.make_model()  # float32, as the user built it
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            prepared = qcore.prepare_fx(model, None, calibration[0], backend=backend)
+            for batch in calibration:
+                prepared(*batch)
+            converted = qcore.convert_fx(prepared)
+        finally:
+            torch.set_default_dtype(previous)
+        with torch.no_grad():
+            return converted(*x)
+
+    torch.testing.assert_close(quantized(torch.float64), quantized(torch.float32), rtol=0, atol=0)

@@ -111,7 +111,7 @@ def quiet_quantized_tensors() -> None:
         return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.quantize_per_tensor(torch.zeros(1), 1.0, 0, torch.quint8)
+        torch.quantize_per_tensor(torch.zeros(1, dtype=torch.float32), 1.0, 0, torch.quint8)
     _spent = True
 
 

@@ -44,6 +44,13 @@ _UINT8 = (torch.quint8, torch.uint8)
 _INT32 = (torch.qint32, torch.int32)
 
 
+def float32_factory_kwargs(factory_kwargs: dict | None) -> dict:
+    """``torch.nn.factory_kwargs`` with float32 unless the caller names a dtype: a
+    process's default dtype (``torch.set_default_dtype(torch.float64)``) must not
+    change statistics and qparams, which torch's quantize ops take as float32."""
+    return {"dtype": torch.float32, **torch.nn.factory_kwargs(factory_kwargs)}
+
+
 class PartialConstructor:
     """A constructor with some arguments bound: ``MinMaxObserver.with_args(...)``.
 
@@ -184,7 +191,7 @@ class UniformQuantizationObserverBase(ObserverBase):
         **kwargs: Any,
     ) -> None:
         super().__init__(dtype=dtype, is_dynamic=is_dynamic, **kwargs)
-        factory_kwargs = torch.nn.factory_kwargs(factory_kwargs)
+        factory_kwargs = float32_factory_kwargs(factory_kwargs)
         if not isinstance(power_of_two_scale, bool):
             raise ValueError(
                 f"{type(self).__name__}: power_of_two_scale={power_of_two_scale!r}; "
@@ -241,7 +248,8 @@ class UniformQuantizationObserverBase(ObserverBase):
                 "tensor; returning scale 1.0 and zero point 0",
                 stacklevel=3,
             )
-            return torch.tensor([1.0], device=device), torch.tensor([0], device=device)
+            unit = torch.tensor([1.0], dtype=torch.float32, device=device)
+            return unit, torch.tensor([0], device=device)
         if min_val.numel() == 1 and max_val.numel() == 1:
             # per tensor (every QAT step): compare on the host, no tensor ops
             lo, hi = min_val.item(), max_val.item()

@@ -33,7 +33,13 @@ from typing import Any
 
 import torch
 
-from qcore.observers.base import _PER_TENSOR, EPS, RANGE_LIMIT, UniformQuantizationObserverBase
+from qcore.observers.base import (
+    _PER_TENSOR,
+    EPS,
+    RANGE_LIMIT,
+    UniformQuantizationObserverBase,
+    float32_factory_kwargs,
+)
 from qcore.observers.histogram_merge import UPSAMPLE_RATE, histc, merge_rows, rebin_rows
 from qcore.observers.nonfinite import finite_aminmax
 
@@ -145,7 +151,7 @@ class HistogramObserver(UniformQuantizationObserverBase):
             is_dynamic=is_dynamic,
             **kwargs,
         )
-        factory_kwargs = torch.nn.factory_kwargs(factory_kwargs)
+        factory_kwargs = float32_factory_kwargs(factory_kwargs)
         self.bins = bins
         self.register_buffer("histogram", torch.zeros(bins, **factory_kwargs))
         self.register_buffer("min_val", torch.tensor(float("inf"), **factory_kwargs))
@@ -281,7 +287,8 @@ class HistogramObserver(UniformQuantizationObserverBase):
                 stacklevel=2,
             )
             device = self.min_val.device
-            return torch.tensor([1.0], device=device), torch.tensor([0], device=device)
+            unit = torch.tensor([1.0], dtype=torch.float32, device=device)
+            return unit, torch.tensor([0], device=device)
         new_min, new_max = self._non_linear_param_search()
         return self._calculate_qparams(new_min, new_max)
 

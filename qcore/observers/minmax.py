@@ -11,7 +11,13 @@ from typing import Any
 
 import torch
 
-from qcore.observers.base import _PER_CHANNEL, _PER_TENSOR, EPS, UniformQuantizationObserverBase
+from qcore.observers.base import (
+    _PER_CHANNEL,
+    _PER_TENSOR,
+    EPS,
+    UniformQuantizationObserverBase,
+    float32_factory_kwargs,
+)
 from qcore.observers.nonfinite import finite_aminmax, finite_aminmax_rows
 
 __all__ = [
@@ -69,7 +75,7 @@ class MinMaxObserver(UniformQuantizationObserverBase):
             is_dynamic=is_dynamic,
             **kwargs,
         )
-        factory_kwargs = torch.nn.factory_kwargs(factory_kwargs)
+        factory_kwargs = float32_factory_kwargs(factory_kwargs)
         self.register_buffer("min_val", torch.tensor(float("inf"), **factory_kwargs))
         self.register_buffer("max_val", torch.tensor(float("-inf"), **factory_kwargs))
         self._reject_symmetric_reduced_quint8()
@@ -192,7 +198,7 @@ class PerChannelMinMaxObserver(UniformQuantizationObserverBase):
             is_dynamic=is_dynamic,
             **kwargs,
         )
-        factory_kwargs = torch.nn.factory_kwargs(factory_kwargs)
+        factory_kwargs = float32_factory_kwargs(factory_kwargs)
         self.ch_axis = ch_axis
         self.register_buffer("min_val", torch.tensor([], **factory_kwargs))
         self.register_buffer("max_val", torch.tensor([], **factory_kwargs))
@@ -228,8 +234,8 @@ class PerChannelMinMaxObserver(UniformQuantizationObserverBase):
         return f"min_val={self.min_val}, max_val={self.max_val}"
 
     def reset_min_max_vals(self) -> None:
-        self.min_val = torch.empty(0, device=self.min_val.device)
-        self.max_val = torch.empty(0, device=self.max_val.device)
+        self.min_val = torch.empty(0, dtype=self.min_val.dtype, device=self.min_val.device)
+        self.max_val = torch.empty(0, dtype=self.max_val.dtype, device=self.max_val.device)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, *args) -> None:
         # buffers start empty; take the saved shape (torch.ao names, version 3)
