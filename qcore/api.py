@@ -118,17 +118,27 @@ def _default_mapping(installed: Any, is_qat: bool, name: str = "x86") -> Any:
 
 
 def _installed_or_none(backend: str) -> Any:
-    """The installed backend; None for a first-party name whose plugin is not
-    installed (qcore has its mapping); any other unknown name is an error (a typo
-    would otherwise get x86's mapping, and 7-bit activations, without a word)."""
-    from qcore.config.qconfig import BACKEND_KINDS
-
     try:
         return get_backend(backend)
     except UnknownBackendError:
-        if backend in BACKEND_KINDS:
-            return None
-        raise
+        return None
+
+
+def default_mapping_for(backend_name: str, is_qat: bool) -> Any:
+    """The default mapping for a backend name given by a BackendConfig, which may be
+    no installed backend's (a custom config): x86's style then."""
+    return _default_mapping(_installed_or_none(backend_name), is_qat, backend_name)
+
+
+def _named_backend_mapping(backend: str, is_qat: bool) -> Any:
+    """A user's name: an installed backend or a first-party style; any other name is
+    an error (a typo got x86's mapping, and 7-bit activations, without a word)."""
+    from qcore.config.qconfig import BACKEND_KINDS
+
+    installed = _installed_or_none(backend)
+    if installed is None and backend not in BACKEND_KINDS:
+        get_backend(backend)  # raises UnknownBackendError, with "Did you mean"
+    return _default_mapping(installed, is_qat, backend)
 
 
 def get_default_qconfig_mapping(backend: str = "x86") -> Any:
@@ -139,12 +149,12 @@ def get_default_qconfig_mapping(backend: str = "x86") -> Any:
 
         >>> mapping = qcore.get_default_qconfig_mapping("fbgemm")
     """
-    return _default_mapping(_installed_or_none(backend), False, backend)
+    return _named_backend_mapping(backend, False)
 
 
 def get_default_qat_qconfig_mapping(backend: str = "x86") -> Any:
     """The default QConfigMapping for quantization-aware training on ``backend``."""
-    return _default_mapping(_installed_or_none(backend), True, backend)
+    return _named_backend_mapping(backend, True)
 
 
 def _make_fixed(spec: Any) -> torch.nn.Module:

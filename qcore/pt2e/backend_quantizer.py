@@ -169,10 +169,9 @@ class BackendQuantizer(Quantizer):
         self.backend_name = backend_name or backend_config.name or "custom"
         self.is_qat = is_qat
         if qconfig_mapping is None:
-            from qcore.api import get_default_qat_qconfig_mapping, get_default_qconfig_mapping
+            from qcore.api import default_mapping_for
 
-            default = get_default_qat_qconfig_mapping if is_qat else get_default_qconfig_mapping
-            qconfig_mapping = default(self.backend_name)
+            qconfig_mapping = default_mapping_for(self.backend_name, is_qat)
         self.qconfig_mapping = qconfig_mapping
         self.rules, self.untranslated = _compile(backend_config)
         self.fused_only = fused_only_ops(
