@@ -109,11 +109,13 @@ def cloned(value: Any) -> Any:
 
 @contextlib.contextmanager
 def _leaving_no_trace(gm: GraphModule) -> Iterator[None]:
-    """No autograd, the global RNG as before, and ``gm``'s buffers (batch-norm statistics
-    in training mode; the eager module shares them) as before, once the block ends."""
+    """No autograd, the global RNG as before where ``gm`` may draw from it, and
+    ``gm``'s buffers (batch-norm statistics in training mode; the eager module shares
+    them) as before, once the block ends."""
     buffers = {name: buffer.clone() for name, buffer in gm.named_buffers()}
+    rng = torch.random.fork_rng(devices=[]) if _may_draw(gm) else contextlib.nullcontext()
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.no_grad(), rng:
             yield
     finally:
         with torch.no_grad():
@@ -122,11 +124,52 @@ def _leaving_no_trace(gm: GraphModule) -> Iterator[None]:
                     buffer.copy_(buffers[name])
 
 
-def _seeded_run(function: Callable[..., Any], inputs: tuple) -> Any:
+def _seeded_run(gm: GraphModule, function: Callable[..., Any], inputs: tuple) -> Any:
     """``function`` on copies of ``inputs``, its random ops drawing the same numbers as
-    every other seeded run's."""
-    torch.manual_seed(_SEED)
+    every other seeded run's. The seed is process-wide (another thread drawing then
+    gets the same numbers again): only a graph that may draw sets it."""
+    if _may_draw(gm):
+        torch.manual_seed(_SEED)
     return function(*cloned(inputs))
+
+
+#: What draws random numbers in a traced graph, by function or method name.
+_DRAWS = frozenset(
+    "rand randn randint rand_like randn_like randint_like randperm bernoulli bernoulli_ "
+    "multinomial normal normal_ poisson rrelu rrelu_ uniform_ random_ exponential_ "
+    "cauchy_ log_normal_ geometric_".split()
+)
+
+
+def _may_draw(gm: GraphModule) -> bool:
+    """Whether running ``gm`` may draw from torch's RNG: an op drawing by name, a
+    dropout not fixed to eval, or a module outside torch.nn (its code is unseen)."""
+    modules = dict(gm.named_modules())
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            module = modules[node.target]
+            if not type(module).__module__.startswith("torch.") or (
+                module.training and isinstance(module, _DROPOUT_MODULES)
+            ):
+                return True
+        elif node.op in ("call_function", "call_method"):
+            name = node.target if isinstance(node.target, str) else _name(node.target)
+            if name in _DRAWS or ("dropout" in name and _training_argument(node)):
+                return True
+    return False
+
+
+_DROPOUT_MODULES = (torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU)
+
+
+def _name(function: Any) -> str:
+    return getattr(function, "__name__", str(function))
+
+
+def _training_argument(node: Node) -> bool:
+    """A functional dropout's ``training`` (default True), unless traced as False."""
+    training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+    return training is not False
 
 
 def probe(gm: GraphModule, eager: torch.nn.Module, example_inputs: tuple) -> Probe | None:
@@ -135,8 +178,8 @@ def probe(gm: GraphModule, eager: torch.nn.Module, example_inputs: tuple) -> Pro
     recorder = _RecordingInterpreter(gm)
     try:
         with _leaving_no_trace(gm):
-            eager_output = _seeded_run(eager, example_inputs)
-            traced_output = _seeded_run(recorder.run, example_inputs)
+            eager_output = _seeded_run(gm, eager, example_inputs)
+            traced_output = _seeded_run(gm, recorder.run, example_inputs)
     except Exception:  # noqa: BLE001 - the user's forward: prepare's own probe says why
         return None
     storages = ProbedStorages(
@@ -177,11 +220,11 @@ def _first_differing_module(gm: GraphModule, eager: torch.nn.Module, inputs: tup
                 eager.get_submodule(name).register_forward_hook(keep(name)) for name in called
             ]
             try:
-                _seeded_run(eager, inputs)
+                _seeded_run(gm, eager, inputs)
             finally:
                 for handle in handles:
                     handle.remove()
-            _seeded_run(recorder.run, inputs)
+            _seeded_run(gm, recorder.run, inputs)
     except Exception:  # noqa: BLE001 - they ran once already; nothing more to learn
         return None
     calls: dict[str, int] = {}

@@ -18,6 +18,7 @@ import torch
 import torch.ao.nn.intrinsic as nni
 from torch import nn
 from torch.fx import GraphModule, Node
+from torch.nn.utils import skip_init
 
 from qcore import ops
 from qcore.engine.reference import QParams, ReferenceModule
@@ -107,14 +108,18 @@ def _bias(gm: GraphModule, node: Any) -> torch.Tensor | None | bool:
 
 def _float_module(op: Any, node: Node, weight: torch.Tensor, bias: Any) -> nn.Module | None:
     has_bias = bias is not None
+    # skip_init: no random initialization, which would draw from the user's RNG
     if op is aten.linear:
-        module = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias)
+        module = skip_init(
+            nn.Linear, weight.shape[1], weight.shape[0], bias=has_bias, dtype=weight.dtype
+        )
     else:
         dims = _CONV[op]
         stride, padding, dilation, groups = (list(node.args[3:7]) + [None] * 4)[:4]
         if isinstance(padding, str):
             return None
-        module = getattr(nn, f"Conv{dims}d")(
+        module = skip_init(
+            getattr(nn, f"Conv{dims}d"),
             weight.shape[1] * (groups or 1),
             weight.shape[0],
             tuple(weight.shape[2:]),
@@ -123,6 +128,7 @@ def _float_module(op: Any, node: Node, weight: torch.Tensor, bias: Any) -> nn.Mo
             dilation=dilation or 1,
             groups=groups or 1,
             bias=has_bias,
+            dtype=weight.dtype,
         )
     with torch.no_grad():
         module.weight.copy_(weight)
