@@ -164,3 +164,30 @@ def test_a_deep_copy_of_a_converted_model_round_trips_through_torch_save(form, b
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     torch.testing.assert_close(loaded(x), converted(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_the_reference_form_of_a_forward_with_string_annotations_round_trips(backend):
+    """``from __future__ import annotations`` (every transformers model) leaves the
+    forward's annotations as strings; the reference form's code kept them as globals
+    pickling could not name (torch.ao's convert fails the same way)."""
+    import qcore
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 8, 3)
+
+        def forward(self, x: "torch.Tensor") -> "torch.Tensor":  # noqa: UP037
+            return torch.relu(self.conv(x))
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8)
+    prepared = qcore.prepare_fx(Net().eval(), None, (x,), backend=backend)
+    prepared(x)
+    for converted in (qcore.convert_to_reference_fx(prepared), qcore.convert_fx(prepared)):
+        buffer = io.BytesIO()
+        torch.save(converted, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        torch.testing.assert_close(loaded(x), converted(x), rtol=0, atol=0)

@@ -553,6 +553,10 @@ def make_picklable(gm: GraphModule) -> None:
     for node in gm.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "__module__", "") == ops.__name__:
             node.meta["is_wrapped"] = True
+        if isinstance(node.type, str):
+            # a string annotation (``from __future__ import annotations``) became a
+            # global of the generated code that pickling cannot name
+            node.type = None
     gm.recompile()
 
 
