@@ -349,6 +349,9 @@ def _convert(
     if not to_kernels:
         to_decomposed(converted)
         make_picklable(converted)
+    # the prepared model's mode, as torch.ao's convert keeps it: a batch norm or a
+    # dropout left float computes as it did there (a ported script calls no eval())
+    converted.train(prepared.training)
     return keep_model_when_scripted(converted)
 
 
