@@ -115,7 +115,9 @@ class DynamicRNN(PackedWeights):
         self.mode = "LSTM" if isinstance(rnn, torch.nn.LSTM) else "GRU"
         self.input_size, self.hidden_size = rnn.input_size, rnn.hidden_size
         self.num_layers, self.bidirectional = rnn.num_layers, rnn.bidirectional
-        self.batch_first, self.has_bias = rnn.batch_first, rnn.bias
+        # pack gives zero biases to a layer without them: torch's quantized LSTM
+        # requires biases ("quantized LSTM requires biases" at every call)
+        self.batch_first, self.has_bias = rnn.batch_first, True
         self.dropout = float(rnn.dropout)
         self.fp16, self.reduce_range = fp16, reduce_range
         self.weight_names = list(reference.weight_qparams)

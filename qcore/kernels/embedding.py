@@ -96,18 +96,20 @@ class QuantizedEmbeddingBag(PackedWeights):
         offsets: torch.Tensor | None = None,
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        include_last_offset = self.include_last_offset
         if indices.dim() == 2:  # fixed-length bags, as nn.EmbeddingBag takes them
             offsets = torch.arange(0, indices.numel(), indices.size(1), dtype=indices.dtype)
             indices = indices.reshape(-1)
+            include_last_offset = False  # the offsets made here have no last one
         mode = 0  # _MODES["sum"], the only mode taken
         if self.weight_dtype == torch.quint4x2:
             return _embedding_bag_4bit(
                 self._packed, indices, offsets, False, mode, False,
-                per_sample_weights, None, self.include_last_offset,
+                per_sample_weights, None, include_last_offset,
             )  # fmt: skip
         return _embedding_bag_byte(
             self._packed, indices, offsets, False, mode, False,
-            per_sample_weights, None, self.include_last_offset,
+            per_sample_weights, None, include_last_offset,
         )  # fmt: skip
 
     def extra_repr(self) -> str:

@@ -1,0 +1,80 @@
+"""Dynamic recurrent layers and embedding bags in the forms users build them.
+
+* An LSTM without biases converted ("quantized, x86.rnn_dynamic") and then failed
+  at every call: "quantized LSTM requires biases" (torch.ao refuses it at convert).
+* An EmbeddingBag with ``include_last_offset=True`` given 2-D input (fixed-length
+  bags) dropped its last bag: (3, 16) for the float model's (4, 16); torch.ao's
+  converted model too.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from backends import backend_params
+from torch import nn
+
+import qcore
+from qcore.config.qconfig import QConfigMapping, float_qparams_weight_only_qconfig
+
+
+def _sqnr(reference: torch.Tensor, actual: torch.Tensor) -> float:
+    return float(10 * torch.log10(reference.pow(2).sum() / (reference - actual).pow(2).sum()))
+
+
+class Recurrent(nn.Module):
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = nn.LSTM(16, 32, num_layers=2, batch_first=True, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(x)[0]
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_an_lstm_without_biases_runs_as_one_with_zero_biases(backend):
+    x = torch.randn(3, 7, 16)
+    without = Recurrent(bias=False).eval()
+    zero = Recurrent(bias=True).eval()
+    with torch.no_grad():
+        for name, value in without.rnn.named_parameters():
+            getattr(zero.rnn, name).copy_(value)
+        for name, value in zero.rnn.named_parameters():
+            if name.startswith("bias"):
+                value.zero_()
+    converted = qcore.quantize_dynamic(without, backend=backend)
+    kernels = [e.kernel for e in qcore.explain(converted).entries if e.kernel]
+    assert any("rnn_dynamic" in kernel for kernel in kernels), qcore.explain(converted)
+    with torch.no_grad():
+        output = converted(x)
+        torch.testing.assert_close(
+            output, qcore.quantize_dynamic(zero, backend=backend)(x), rtol=0, atol=0
+        )
+        assert _sqnr(without(x), output) > 30
+
+
+class Bags(nn.Module):
+    def __init__(self, include_last_offset: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.bag = nn.EmbeddingBag(50, 16, mode="sum", include_last_offset=include_last_offset)
+
+    def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        return self.bag(indices)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("include_last_offset", [False, True])
+def test_fixed_length_bags_give_one_row_per_bag(include_last_offset, backend):
+    model = Bags(include_last_offset).eval()
+    indices = torch.randint(0, 50, (4, 5))
+    mapping = QConfigMapping().set_object_type(nn.EmbeddingBag, float_qparams_weight_only_qconfig)
+    prepared = qcore.prepare_fx(copy.deepcopy(model), mapping, (indices,), backend=backend)
+    converted = qcore.convert_fx(prepared)
+    with torch.no_grad():
+        expected, output = model(indices), converted(indices)
+    assert output.shape == expected.shape == (4, 16)
+    assert _sqnr(expected, output) > 30
