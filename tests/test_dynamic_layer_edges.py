@@ -78,3 +78,43 @@ def test_fixed_length_bags_give_one_row_per_bag(include_last_offset, backend):
         expected, output = model(indices), converted(indices)
     assert output.shape == expected.shape == (4, 16)
     assert _sqnr(expected, output) > 30
+
+
+class PackedRecurrent(nn.Module):
+    def __init__(self, kind: type[nn.Module]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = kind(16, 32, num_layers=2, batch_first=True, bidirectional=True)
+        self.fc = nn.Linear(64, 4)
+        self.lstm = kind is nn.LSTM  # a Python bool: traced as a constant
+
+    def forward(self, packed, state=None):
+        output, hidden = self.rnn(packed, state)
+        last = hidden[0] if self.lstm else hidden
+        return output.data, self.fc(torch.cat([last[-2], last[-1]], dim=1))
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("kind", [nn.LSTM, nn.GRU])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_a_packed_sequence_runs_on_the_dynamic_kernel(kind, with_state, backend):
+    """pack_padded_sequence's PackedSequence into an LSTM/GRU: explain said
+    "quantized, rnn_dynamic" and every call failed ('PackedSequence' object has no
+    attribute 'dim'); torch.ao's converted model runs it."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    model = PackedRecurrent(kind).eval()
+    padded, lengths = torch.randn(5, 9, 16), torch.tensor([9, 4, 7, 2, 9])
+    packed = pack_padded_sequence(padded, lengths, batch_first=True, enforce_sorted=False)
+    state = None
+    if with_state:
+        h = torch.randn(4, 5, 32)
+        state = (h, torch.randn(4, 5, 32)) if kind is nn.LSTM else h
+    converted = qcore.quantize_dynamic(model, backend=backend)
+    kernels = [e.kernel for e in qcore.explain(converted).entries if e.kernel]
+    assert any("rnn_dynamic" in kernel for kernel in kernels), qcore.explain(converted)
+    with torch.no_grad():
+        expected, output = model(packed, state), converted(packed, state)
+    for wanted, got in zip(expected, output, strict=True):
+        assert got.shape == wanted.shape
+        assert _sqnr(wanted, got) > 25  # each sequence's own state, in the caller's order

@@ -18,7 +18,10 @@ activation in float32, where the reference rounds it to float16.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 from qcore.engine.reference import ReferenceModule, weighted_child
 from qcore.kernels.common import require
@@ -170,6 +173,8 @@ class DynamicRNN(PackedWeights):
         return cells
 
     def forward(self, x: torch.Tensor, hx=None):
+        if isinstance(x, PackedSequence):
+            return self._forward_packed(x, hx)
         if x.dim() != 3:
             raise ValueError(f"DynamicRNN takes batched input (3 dims), got shape {tuple(x.shape)}")
         if hx is None:
@@ -194,6 +199,36 @@ class DynamicRNN(PackedWeights):
             )
             return output, (h, c)
         return torch.quantized_gru(x, hx, self._packed, *common)
+
+    def _forward_packed(self, x: PackedSequence, hx: Any) -> tuple[PackedSequence, Any]:
+        """nn.LSTM/nn.GRU's forward on a PackedSequence (``pack_padded_sequence``):
+        the state is in the caller's batch order, the sequence sorted."""
+        data, batch_sizes, sorted_indices, unsorted_indices = x
+        lstm = self.mode == "LSTM"
+        if hx is None:
+            directions = 2 if self.bidirectional else 1
+            shape = (self.num_layers * directions, int(batch_sizes[0]), self.hidden_size)
+            zeros = torch.zeros(shape, dtype=data.dtype)
+            state = [zeros, zeros] if lstm else zeros
+        else:
+            reorder = (
+                (lambda t: t)
+                if sorted_indices is None
+                else (lambda t: t.index_select(1, sorted_indices))
+            )
+            state = [reorder(hx[0]), reorder(hx[1])] if lstm else reorder(hx)
+        common = (self.has_bias, self.num_layers, self.dropout, False, self.bidirectional)
+        if lstm:
+            dtype = torch.float16 if self.fp16 else torch.qint8
+            output, *hidden = torch.quantized_lstm(
+                data, batch_sizes, state, self._packed, *common, dtype=dtype, use_dynamic=True
+            )
+        else:
+            output, *hidden = torch.quantized_gru(data, batch_sizes, state, self._packed, *common)
+        if unsorted_indices is not None:
+            hidden = [h.index_select(1, unsorted_indices) for h in hidden]
+        packed = PackedSequence(output, batch_sizes, sorted_indices, unsorted_indices)
+        return packed, (tuple(hidden) if lstm else hidden[0])
 
     def extra_repr(self) -> str:
         return (
