@@ -221,3 +221,28 @@ def test_qcore_quantizes_without_numpy():
     )
     assert result.returncode == 0, result.stderr
     assert "NumPy" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("backend", backend_params(("fbgemm", "qnnpack", "x86", "onednn")))
+@pytest.mark.parametrize("path", ["fx", "pt2e", "pt2e reference"])
+@pytest.mark.parametrize("name", ["transformer_block", "mobilenetv2_like"])
+def test_every_converted_model_prints(name, path, backend):
+    """print(model) raised on x86's PT2E transformer_block: a oneDNN linear with a
+    float output has no output scale, and its extra_repr read one."""
+    from qcore.examples import ZOO
+
+    entry = ZOO[name]
+    model, example = entry.make_model().eval(), entry.example_inputs()
+    if path == "fx":
+        prepared = qcore.prepare_fx(model, None, example, backend=backend)
+    else:
+        prepared = qcore.prepare_pt2e(torch.export.export(model, example).module(), backend)
+    with torch.no_grad():
+        prepared(*example)
+    if path == "fx":
+        converted = qcore.convert_fx(prepared)
+    else:
+        converted = qcore.convert_pt2e(prepared, lower=path == "pt2e")
+    text = str(converted)
+    assert all(repr(module) for module in converted.modules())
+    assert text.count("\n") > 5

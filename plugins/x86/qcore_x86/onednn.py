@@ -186,9 +186,11 @@ class _OnednnWeighted(PackedWeights):
         return torch._make_per_tensor_quantized_tensor(y, self.scale, self.zero_point)
 
     def extra_repr(self) -> str:
-        output = f"scale={self.scale}, zero_point={self.zero_point}"
-        if not self.returns_quantized:
-            output = "float output"
+        output = (
+            f"scale={self.scale}, zero_point={self.zero_point}"
+            if self.returns_quantized
+            else "float output"  # no output qparams: there is no scale to print
+        )
         residual = "residual add, " if self.residual_add else ""
         return f"{self.description}, {residual}post-op={self.unary}, {output}"
 
