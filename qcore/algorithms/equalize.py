@@ -25,7 +25,13 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from qcore.algorithms.layers import Layer, check_uncalibrated, is_observer, layer_of
+from qcore.algorithms.layers import (
+    Layer,
+    check_uncalibrated,
+    is_observer,
+    layer_of,
+    single_use_layers,
+)
 from qcore.config.errors import describe
 
 __all__ = ["EqualizedPair", "equalize", "equalized_pairs"]
@@ -183,17 +189,13 @@ def equalize(
     gm = copy.deepcopy(prepared)
     layers = {node: layer_of(gm, node) for node in gm.graph.nodes}
     layers = {node: layer for node, layer in layers.items() if layer is not None}
-    # A weight two ops read (a module called twice) cannot be rescaled for one of them.
-    readers: dict[int, int] = {}
-    for layer in layers.values():
-        readers[id(layer.weight)] = readers.get(id(layer.weight), 0) + 1
+    # A weight another op reads too (a module called twice, a tied embedding) cannot
+    # be rescaled for one of them.
+    alone = single_use_layers(gm)
     chains: list[tuple[Node, Node, list[Node]]] = []
-    for node, layer in layers.items():
+    for node in layers:
         found = _next_layer(gm, node, relu6_to_relu)
-        if found is None:
-            continue
-        second = layers[found[0]]
-        if readers[id(layer.weight)] == 1 and readers[id(second.weight)] == 1:
+        if found is not None and node in alone and found[0] in alone:
             chains.append((node, found[0], found[1]))
     results: dict[tuple[str, str], EqualizedPair] = {}
     crossed: list[Node] = []

@@ -200,17 +200,46 @@ class InputRecorder(Interpreter):
 
 def single_use_layers(gm: GraphModule) -> dict[Node, Layer]:
     """Every conv/linear of ``gm`` whose weight no other op reads: a module called
-    twice cannot be changed for one of its calls."""
+    twice cannot be changed for one of its calls, nor a weight tied to another
+    module's (an embedding's, read by the output head) or read by a function."""
+    reads = _parameter_reads(gm)
     layers = {node: layer_of(gm, node) for node in gm.graph.nodes}
-    readers: dict[int, int] = {}
-    for layer in layers.values():
-        if layer is not None:
-            readers[id(layer.weight)] = readers.get(id(layer.weight), 0) + 1
     return {
         node: layer
         for node, layer in layers.items()
-        if layer is not None and readers[id(layer.weight)] == 1
+        if layer is not None and reads.get(id(layer.weight), 0) == 1
     }
+
+
+def _parameter_reads(gm: GraphModule) -> dict[int, int]:
+    """How many ops read each tensor of ``gm`` (by ``id``): each call of a module
+    holding it, and each user of a ``get_attr`` node fetching it."""
+    reads: dict[int, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and not is_observer(gm, node):
+            module = gm.get_submodule(node.target)
+            for key in {id(t) for t in (*module.parameters(), *module.buffers())}:
+                reads[key] = reads.get(key, 0) + 1
+        elif node.op == "get_attr":
+            value = _attribute(gm, node.target)
+            if isinstance(value, torch.Tensor):
+                reads[id(value)] = reads.get(id(value), 0) + _readers_past_observers(gm, node)
+    return reads
+
+
+def _readers_past_observers(gm: GraphModule, node: Node) -> int:
+    """The ops reading ``node``'s value, an observer counted as those reading its own."""
+    return sum(
+        _readers_past_observers(gm, user) if is_observer(gm, user) else 1 for user in node.users
+    )
+
+
+def _attribute(gm: GraphModule, target: str) -> Any:
+    owner, _, name = target.rpartition(".")
+    try:
+        return getattr(gm.get_submodule(owner) if owner else gm, name)
+    except AttributeError:
+        return None
 
 
 def record_inputs(
