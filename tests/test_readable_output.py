@@ -214,7 +214,7 @@ def test_qcore_quantizes_without_numpy():
         "from qcore.demo import run_demo\n"
         "results = run_demo(['fbgemm'], ['mlp'], batches=2, repeats=1)\n"
         "assert results and not any(r.error for r in results), results\n"
-        "assert all(r.ops_quantized == r.ops_total == 4 for r in results), results\n"
+        "assert all(r.ops_quantized == r.ops_total >= 4 for r in results), results\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300

@@ -38,6 +38,11 @@ class Status(enum.Enum):
     """Graph inputs, outputs and constants; observers and quantize ops qcore inserted."""
 
 
+#: A node's meta: the names of ops a kernel's module took in as post-ops (PT2E's
+#: ``linear -> gelu``): their entries follow that node's and take its kernel.
+POST_OPS_KEY = "qcore_post_ops"
+
+
 @dataclass(frozen=True)
 class Entry:
     node: str

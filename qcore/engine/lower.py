@@ -28,7 +28,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from qcore import ops
-from qcore.engine.explain import Entry, Report, Status, attach_report, report_of
+from qcore.engine.explain import POST_OPS_KEY, Entry, Report, Status, attach_report, report_of
 from qcore.engine.float_islands import float_input_reason
 from qcore.engine.reference import ReferenceModule
 from qcore.kernels.runtime import (
@@ -652,6 +652,8 @@ def _update_report(gm: GraphModule, lowering: _Lowering) -> None:
     fused: dict[str, list[str]] = {}
     for name, root in lowering.fused_into.items():
         fused.setdefault(root, []).append(name)
+    for node in gm.graph.nodes:
+        fused.setdefault(node.name, []).extend(node.meta.get(POST_OPS_KEY, ()))
     entries = []
     for node in gm.graph.nodes:
         for name in [node.name, *fused.get(node.name, [])]:
@@ -694,6 +696,13 @@ def _updated(
         return Entry(name, entry.op, Status.QUANTIZED, note, entry.pattern, lowering.lowered[name])
     if name in lowering.unlowered:
         return entry.with_status(Status.REFERENCE, lowering.unlowered[name])
+    if name in node.meta.get(POST_OPS_KEY, ()):  # a post-op: where its op went, it went
+        if node.name in lowering.lowered:
+            note = f"a post-op in {node.name}'s kernel"
+            return Entry(
+                name, entry.op, Status.QUANTIZED, note, entry.pattern, lowering.lowered[node.name]
+            )
+        return entry
     producer = _float_producer(node) if entry.status is Status.REFERENCE else None
     if producer is not None and producer.op != "placeholder":
         source = entries.get(producer.name)

@@ -21,7 +21,14 @@ from qcore import ops
 from qcore.engine.backend_annotator import is_quantized_dtype
 from qcore.engine.constants import Constants
 from qcore.engine.convert import _replace_observer
-from qcore.engine.explain import Entry, Report, Status, attach_report, report_of
+from qcore.engine.explain import (
+    POST_OPS_KEY,
+    Entry,
+    Report,
+    Status,
+    attach_report,
+    report_of,
+)
 from qcore.engine.lower import lower as lower_to_kernels
 from qcore.engine.observe import DerivedObserver
 from qcore.engine.reference import QParams, qparams_of
@@ -332,8 +339,12 @@ def convert_pt2e(
         for e in report.entries
         if e.node in nodes
     ]
+    absorbed = {e.node: e for e in report.entries if e.node not in nodes}
     for name, pattern in references.items():
         kept.append(Entry(name, pattern, Status.REFERENCE, "no kernel took it", pattern))
+        for post in nodes[name].meta.get(POST_OPS_KEY, []):
+            op = absorbed[post].op if post in absorbed else post
+            kept.append(Entry(post, op, Status.REFERENCE, f"a post-op of {name}", pattern))
     attach_report(gm, Report(state.backend_name, kept))
     lowered = lower_to_kernels(
         gm, state.kernels, state.backend_name, observed_ranges=not state.full_range

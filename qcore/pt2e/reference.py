@@ -21,6 +21,7 @@ from torch.fx import GraphModule, Node
 from torch.nn.utils import skip_init
 
 from qcore import ops
+from qcore.engine.explain import POST_OPS_KEY
 from qcore.engine.reference import QParams, ReferenceModule
 from qcore.pt2e.fused import WeightedWithPostOps
 from qcore.pt2e.patterns import packet
@@ -233,6 +234,7 @@ def _replace(gm: GraphModule, node: Node, fusable: set[str]) -> tuple[str, str] 
         inputs = (x,) if other is None else (x, other)
         replacement = gm.graph.call_module(target, inputs)
     replacement.meta["val"] = tail.meta.get("val")
+    replacement.meta[POST_OPS_KEY] = [post.name for post in post_nodes]  # explain keeps them
     tail.replace_all_uses_with(replacement)
     for dead in [*reversed(post_nodes), node]:
         gm.graph.erase_node(dead)
