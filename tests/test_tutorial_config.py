@@ -146,3 +146,21 @@ def test_unknown_pattern_is_rejected_with_a_reason():
     assert not accepts(
         backend_config, (torch.nn.Conv2d, torch.nn.BatchNorm2d, torch.nn.ReLU), qconfig
     )
+
+
+def test_from_dict_reads_torch_aos_own_to_dict_output():
+    # it raised ConfigError on torch.ao's ObservationType and DTypeWithConstraints
+    import torch.ao.quantization.backend_config as ao
+
+    from qcore.config.torch_ao import from_torch_ao, import_torch_ao_backend_config
+
+    import_torch_ao_backend_config()
+    native = ao.get_native_backend_config()
+    read = BackendConfig.from_dict(native.to_dict())
+    assert read.to_dict() == from_torch_ao(native).to_dict()
+    constrained = ao.DTypeWithConstraints(dtype=torch.quint8, scale_min_lower_bound=2**-12)
+    dtype_config = DTypeConfig.from_dict(
+        {"input_dtype": constrained, "output_dtype": torch.quint8, "weight_dtype": torch.qint8}
+    )
+    assert dtype_config.input_dtype_with_constraints.scale_min_lower_bound == 2**-12
+    assert dtype_config.weight_dtype == torch.qint8

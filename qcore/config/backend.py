@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from qcore.config.dtypes import holds_torch_ao
 from qcore.config.errors import ConfigError, DuplicatePatternError, invalid, relocate
 from qcore.config.pattern import BackendPatternConfig, Pattern, format_pattern
 
@@ -100,6 +101,10 @@ class BackendConfig:
         """Build from ``{"name": str, "configs": [BackendPatternConfig or dict, ...]}``."""
         if not isinstance(backend_config_dict, dict):
             raise invalid("BackendConfig", backend_config_dict, "a dict")
+        if holds_torch_ao(backend_config_dict):  # torch.ao's own to_dict() output
+            from qcore.config.torch_ao import from_torch_ao_dict
+
+            return from_torch_ao_dict("BackendConfig", backend_config_dict)
         unknown = set(backend_config_dict) - {"name", "configs"}
         if unknown:
             raise invalid(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import math
 import re
+import sys
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -363,6 +364,10 @@ class DTypeConfig:
         DTypeWithConstraints), ``bias_dtype`` and ``is_dynamic``."""
         if not isinstance(dtype_config_dict, dict):
             raise invalid("DTypeConfig", dtype_config_dict, "a dict")
+        if holds_torch_ao(dtype_config_dict):  # torch.ao's own to_dict() output
+            from qcore.config.torch_ao import from_torch_ao_dict
+
+            return from_torch_ao_dict("DTypeConfig", dtype_config_dict)
         unknown = set(dtype_config_dict) - set(_DTYPE_CONFIG_KEYS)
         if unknown:
             raise invalid(
@@ -387,3 +392,21 @@ class DTypeConfig:
 
 
 _DTYPE_CONFIG_KEYS = ("input_dtype", "output_dtype", "weight_dtype", "bias_dtype", "is_dynamic")
+
+
+def holds_torch_ao(value: Any, depth: int = 0) -> bool:
+    """A dict from torch.ao's ``to_dict()``: it holds torch.ao's own ObservationType,
+    DTypeWithConstraints or DTypeConfig objects, within the few levels of dicts and
+    lists such a dict has (patterns, tuples, are not searched). Imports nothing:
+    without torch.ao's backend_config loaded, no value can be one of its objects."""
+    ao = sys.modules.get("torch.ao.quantization.backend_config")
+    if ao is None:
+        return False
+    if isinstance(value, (dict, list)):
+        items = value.values() if isinstance(value, dict) else value
+        return depth < _TO_DICT_DEPTH and any(holds_torch_ao(item, depth + 1) for item in items)
+    return isinstance(value, (ao.ObservationType, ao.DTypeWithConstraints, ao.DTypeConfig))
+
+
+#: BackendConfig -> configs -> a pattern config -> dtype_configs -> a dtype config -> a value
+_TO_DICT_DEPTH = 6

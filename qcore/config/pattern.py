@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from qcore.config.dtypes import DTypeConfig, ObservationType
+from qcore.config.dtypes import DTypeConfig, ObservationType, holds_torch_ao
 from qcore.config.errors import ConfigError, describe, invalid, relocate
 
 __all__ = [
@@ -358,6 +358,10 @@ class BackendPatternConfig:
         ``num_tensor_args_to_observation_type``, ``input_type_to_index``."""
         if not isinstance(backend_pattern_config_dict, dict):
             raise invalid("BackendPatternConfig", backend_pattern_config_dict, "a dict")
+        if holds_torch_ao(backend_pattern_config_dict):  # torch.ao's own to_dict() output
+            from qcore.config.torch_ao import from_torch_ao_dict
+
+            return from_torch_ao_dict("BackendPatternConfig", backend_pattern_config_dict)
         unknown = set(backend_pattern_config_dict) - set(_DICT_SETTERS) - {"pattern_complex_format"}
         if unknown:
             raise invalid(

@@ -84,6 +84,18 @@ def _check_type(value: Any, cls: type, field: str) -> None:
 # -- torch.ao -> qcore --------------------------------------------------------
 
 
+def from_torch_ao_dict(kind: str, value: dict) -> Any:
+    """``kind``'s ``from_dict`` on a torch.ao ``to_dict()`` result: torch.ao reads
+    it, and the object converts (``kind``: BackendConfig, BackendPatternConfig or
+    DTypeConfig)."""
+    converted = getattr(_ao(), kind).from_dict(value)
+    if kind == "BackendConfig":
+        return from_torch_ao(converted)
+    if kind == "BackendPatternConfig":
+        return from_torch_ao_pattern_config(converted)
+    return from_torch_ao_dtype_config(converted)
+
+
 def _observation_type_from_ao(observation_type: Any, field: str) -> ObservationType:
     name = getattr(observation_type, "name", None)
     if name not in ObservationType.__members__:
