@@ -89,6 +89,7 @@ def _backend_rows(load: bool) -> tuple[list[dict], bool, list[str]]:
         if load:
             try:
                 backend = registry.get(name)
+                _ask_lazy_hooks(backend)
             except BackendLoadError as load_error:
                 error = load_error
         for plugin in registry.plugins():
@@ -97,6 +98,10 @@ def _backend_rows(load: bool) -> tuple[list[dict], bool, list[str]]:
             status = plugin.state.value
             if plugin.state is PluginState.FAILED:
                 status = f"failed: {plugin.error_summary()}"
+                healthy = False
+                failed.append(plugin.name)
+            elif error is not None and f"plugin {plugin.name}" in str(error):
+                status = f"failed: {error}"  # a hook asked only when it is needed
                 healthy = False
                 failed.append(plugin.name)
             elif error is not None and plugin.state is not PluginState.BLOCKED:
@@ -114,6 +119,15 @@ def _backend_rows(load: bool) -> tuple[list[dict], bool, list[str]]:
             )
     rows.append(_native_row(registry, load))
     return rows, healthy, failed
+
+
+def _ask_lazy_hooks(backend: Any) -> None:
+    """The hooks a backend is asked only when they are needed (its default
+    QConfigMappings, its own PT2E Quantizer): a bad answer raises BackendLoadError
+    here, not at the user's first quantize."""
+    for is_qat in (False, True):
+        backend.default_qconfig_mapping(is_qat=is_qat)
+        backend.own_quantizer(is_qat)
 
 
 def _native_row(registry: Any, load: bool) -> dict:

@@ -744,7 +744,7 @@ def test_plugin_api_version_must_be_an_int_not_a_bool():
 
     for version in (True, 1.0):
         registry = BackendRegistry(find=lambda version=version: [plugin(version)], environ={})
-        with pytest.raises(PluginAPIVersionError, match=f"plugin API {version!r}"):
+        with pytest.raises(PluginAPIVersionError, match="QCORE_PLUGIN_API_VERSION = .*not an int"):
             registry.get("chip")
     registry = BackendRegistry(find=lambda: [plugin(1)], environ={})
     assert len(registry.get("chip").config) == 0

@@ -631,6 +631,7 @@ def _load_error(name: str, failed: list[Plugin], usable: list[Plugin]) -> Backen
     if len(failed) > 1:
         message += f" (and {len(failed) - 1} more: {', '.join(p.name for p in failed[1:])})"
     blockable = [plugin for plugin in failed if plugin.spec.distribution != IN_PROCESS]
+    message = message.rstrip(".")  # a sentence of the plugin's error may end it
     if blockable:
         names = ",".join(plugin.name for plugin in blockable)
         distributions = ", ".join(sorted({plugin.spec.distribution for plugin in blockable}))
@@ -655,12 +656,14 @@ def _check_api_version(plugin: Plugin, obj: Any) -> None:
     if declared is None and plugin.spec.distribution == IN_PROCESS:
         return  # written in this very process, against this very qcore
     if type(declared) is not int or declared != PLUGIN_API_VERSION:  # True == 1 == 1.0
-        what = (
-            "declares no QCORE_PLUGIN_API_VERSION"
-            if declared is None
-            else (f"was written for plugin API {declared!r}")
-        )
+        if declared is None:
+            what = "declares no QCORE_PLUGIN_API_VERSION"
+        elif type(declared) is not int:
+            what = f"declares QCORE_PLUGIN_API_VERSION = {describe(declared)}, which is not an int"
+        else:
+            what = f"was written for plugin API {declared}"
         raise PluginAPIVersionError(
             f"plugin {plugin.name} {what}; this qcore implements plugin API "
-            f"{PLUGIN_API_VERSION}. Install a {plugin.spec.distribution} release made for it."
+            f"{PLUGIN_API_VERSION} (an int). Install a {plugin.spec.distribution} release made "
+            "for it"
         )
