@@ -173,3 +173,23 @@ def test_demo_refuses_an_unknown_backend_before_quantizing_anything(capsys):
     captured = capsys.readouterr()
     assert "--backend 'nosuch': unknown backend 'nosuch'" in captured.err
     assert captured.out == ""
+
+
+def test_backends_load_asks_the_hooks_asked_only_when_needed():
+    """A plugin answering its default QConfigMapping with a str showed ok in
+    ``qcore backends --load`` and failed at the user's first quantize; the plugin
+    guide says --load marks it failed."""
+    import qcore
+    from qcore.cli import _ask_lazy_hooks
+    from qcore.plugin import BackendLoadError, BackendRegistry
+
+    class WrongMapping:
+        @qcore.hookimpl
+        def qcore_default_qconfig_mapping(self, backend, is_qat):
+            return "fbgemm"
+
+    registry = BackendRegistry(find=lambda: [], environ={})
+    registry.register(WrongMapping(), "lazybad")
+    backend = registry.get("lazybad")  # loads: the mapping is not asked for yet
+    with pytest.raises(BackendLoadError, match="qcore_default_qconfig_mapping.. returned 'fbgemm'"):
+        _ask_lazy_hooks(backend)
