@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 from collections.abc import Callable, Iterable
@@ -650,7 +651,10 @@ def quantize_dynamic(
     names (quantized with ``dtype``'s default QConfig), or a dict mapping them to
     QConfigs. ``dtype`` is ``torch.qint8`` or
     ``torch.float16``. ``example_inputs`` are optional: given, prepare runs them once
-    to learn which values are tensors; else that is read off the graph.
+    to learn which values are tensors; else that is read off the graph. A submodule
+    torch.fx cannot trace (transformers' embeddings) stays a leaf, and its own
+    layers are quantized each on its own, as torch.ao's module swapping quantizes
+    them (explain lists the leaf; ``print(model)`` shows its kernels).
 
     Example::
 
@@ -659,8 +663,68 @@ def quantize_dynamic(
         >>> fp16 = qcore.quantize_dynamic(model, {torch.nn.Linear}, torch.float16, backend="x86")
     """
     mapping = _dynamic_mapping(qconfig_spec, dtype)
-    prepared = _prepare(model, mapping, example_inputs, backend, None, None, False, True)
-    return convert_fx(prepared)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: got {describe(model)}; expected a torch.nn.Module")
+    return _dynamic_where_it_traces(
+        copy.deepcopy(model), mapping, example_inputs, backend, qconfig_spec, dtype, top=True
+    )
+
+
+def _dynamic_where_it_traces(
+    model: torch.nn.Module,
+    mapping: Any,
+    example_inputs: tuple | None,
+    backend: Any,
+    qconfig_spec: Any,
+    dtype: torch.dtype,
+    *,
+    top: bool = False,
+) -> torch.nn.Module:
+    """quantize_dynamic on ``model`` (a copy, changed in place): a submodule torch.fx
+    cannot trace is kept as a leaf and its own children are quantized each on its
+    own, as torch.ao's module swapping quantizes every layer whatever its parent's
+    code. Dynamic quantization needs no graph around a layer: each layer's kernel
+    quantizes its input itself. The user's model itself must trace (``top``): what
+    quantize_dynamic returns is a converted graph with its explain report."""
+    from qcore.engine.trace import TraceFailure
+
+    named = isinstance(qconfig_spec, (dict, set, frozenset, list, tuple)) and any(
+        isinstance(key, str) for key in qconfig_spec
+    )  # module names are the whole model's: a child's would not match them
+    leaves: list[str] = []
+    while True:
+        custom = {"non_traceable_module_name": list(leaves)} if leaves else None
+        try:
+            prepared = _prepare(model, mapping, example_inputs, backend, custom, None, False, True)
+        except TraceFailure as failure:
+            name = failure.module_name
+            if named or name in leaves:
+                raise
+            if name in (None, "<root>"):  # the module's own forward does not trace
+                if top:
+                    raise
+                _dynamic_children(model, backend, qconfig_spec, dtype)
+                return model
+            leaves.append(name)
+            _dynamic_children(model.get_submodule(name), backend, qconfig_spec, dtype)
+            continue
+        return convert_fx(prepared)
+
+
+def _dynamic_children(module: torch.nn.Module, backend: Any, qconfig_spec: Any, dtype) -> None:
+    """Each child of ``module`` quantized on its own (containers: their children)."""
+    for name, child in module.named_children():
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            _dynamic_children(child, backend, qconfig_spec, dtype)
+            continue
+        mapping = _dynamic_mapping(qconfig_spec, dtype)
+        with warnings.catch_warnings():
+            # what stays float in a dropout or a norm is no news: the model's own
+            # prepare already said which module does not trace
+            warnings.simplefilter("ignore", QCoreWarning)
+            quantized = _dynamic_where_it_traces(child, mapping, None, backend, qconfig_spec, dtype)
+        if quantized is not child and any(True for _ in explain(quantized).quantized):
+            setattr(module, name, quantized)
 
 
 def explain(model: torch.nn.Module) -> Report:

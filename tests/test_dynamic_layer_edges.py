@@ -15,6 +15,7 @@ import pytest
 import torch
 from backends import backend_params
 from torch import nn
+from zoo.baseline import quantized_engine
 
 import qcore
 from qcore.config.qconfig import QConfigMapping, float_qparams_weight_only_qconfig
@@ -118,3 +119,50 @@ def test_a_packed_sequence_runs_on_the_dynamic_kernel(kind, with_state, backend)
     for wanted, got in zip(expected, output, strict=True):
         assert got.shape == wanted.shape
         assert _sqnr(wanted, got) > 25  # each sequence's own state, in the caller's order
+
+
+class DataDependent(nn.Module):
+    """A branch on the data: torch.fx cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.gate = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.layers = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x) if x.sum() > 0 else self.gate(x)
+        for layer in self.layers:
+            y = torch.relu(layer(y))
+        return y
+
+
+class WithAnUntraceableBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block, self.head = DataDependent(), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_quantize_dynamic_quantizes_the_layers_of_a_block_that_does_not_trace(backend):
+    """BERT's embeddings do not trace: quantize_dynamic raised TraceFailure, advising
+    a prepare_custom_config it does not take, where torch.ao's quantize_dynamic
+    swaps every linear (BERT: 12, 68.8 dB). The block stays a leaf; its own layers
+    are quantized each on its own, as dynamic quantization needs no graph around."""
+    from torch.ao.quantization import quantize_dynamic
+
+    model = WithAnUntraceableBlock().eval()
+    converted = qcore.quantize_dynamic(model, backend=backend)
+    kernels = [
+        type(m).__name__ for m in converted.modules() if type(m).__module__.startswith("qcore")
+    ]
+    assert len(kernels) == 5, kernels  # fc, gate, the two layers, head
+    with quantized_engine(backend):
+        theirs = quantize_dynamic(copy.deepcopy(model))
+    for x in (torch.randn(8, 16) + 1, torch.randn(8, 16) - 1):  # both branches
+        with torch.no_grad(), quantized_engine(backend):
+            expected, peer = model(x), theirs(x)
+        assert _sqnr(expected, converted(x)) >= _sqnr(expected, peer) - 0.5

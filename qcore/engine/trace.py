@@ -31,7 +31,12 @@ __all__ = [
 
 
 class TraceFailure(RuntimeError):
-    """symbolic tracing could not follow a module's forward."""
+    """symbolic tracing could not follow a module's forward; ``module_name`` is the
+    innermost module whose forward failed, where one is known."""
+
+    def __init__(self, message: str, module_name: str | None = None) -> None:
+        super().__init__(message)
+        self.module_name = module_name
 
 
 class QuantizationTracer(Tracer):
@@ -100,7 +105,8 @@ def trace(
             f"symbolic tracing failed in module {name!r} ({cls.__name__}): "
             f"{type(error).__name__}: {error}. Leave it unquantized and traced as a leaf with "
             f"prepare_custom_config={{'non_traceable_module_name': [{name!r}]}} "
-            f"or {{'non_traceable_module_class': [{cls.__name__}]}}"
+            f"or {{'non_traceable_module_class': [{cls.__name__}]}}",
+            name,
         ) from error
     gm = GraphModule(tracer.root, graph, type(model).__name__)
     hooked = hooked_modules(model)
