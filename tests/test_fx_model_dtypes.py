@@ -10,19 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from backends import backend_params
-from torch import nn
+from tiny_models import TwoLinears as Net
 
 import qcore
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.relu(self.fc1(x)))
 
 
 @pytest.mark.parametrize("backend", backend_params())
