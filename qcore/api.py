@@ -662,17 +662,16 @@ def quantize_dynamic(
         >>> print(qcore.explain(quantized))     # linear_dynamic, linear_relu_dynamic, ...
         >>> fp16 = qcore.quantize_dynamic(model, {torch.nn.Linear}, torch.float16, backend="x86")
     """
-    mapping = _dynamic_mapping(qconfig_spec, dtype)
+    _dynamic_mapping(qconfig_spec, dtype)  # a bad spec or dtype is named before any copy
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: got {describe(model)}; expected a torch.nn.Module")
     return _dynamic_where_it_traces(
-        copy.deepcopy(model), mapping, example_inputs, backend, qconfig_spec, dtype, top=True
+        copy.deepcopy(model), example_inputs, backend, qconfig_spec, dtype, top=True
     )
 
 
 def _dynamic_where_it_traces(
     model: torch.nn.Module,
-    mapping: Any,
     example_inputs: tuple | None,
     backend: Any,
     qconfig_spec: Any,
@@ -694,6 +693,7 @@ def _dynamic_where_it_traces(
     leaves: list[str] = []
     while True:
         custom = {"non_traceable_module_name": list(leaves)} if leaves else None
+        mapping = _dynamic_mapping(qconfig_spec, dtype)  # a fresh one: prepare may keep it
         try:
             prepared = _prepare(model, mapping, example_inputs, backend, custom, None, False, True)
         except TraceFailure as failure:
@@ -717,12 +717,11 @@ def _dynamic_children(module: torch.nn.Module, backend: Any, qconfig_spec: Any, 
         if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
             _dynamic_children(child, backend, qconfig_spec, dtype)
             continue
-        mapping = _dynamic_mapping(qconfig_spec, dtype)
         with warnings.catch_warnings():
             # what stays float in a dropout or a norm is no news: the model's own
             # prepare already said which module does not trace
             warnings.simplefilter("ignore", QCoreWarning)
-            quantized = _dynamic_where_it_traces(child, mapping, None, backend, qconfig_spec, dtype)
+            quantized = _dynamic_where_it_traces(child, None, backend, qconfig_spec, dtype)
         if quantized is not child and any(True for _ in explain(quantized).quantized):
             setattr(module, name, quantized)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from backends import backend_params
-from zoo import ZOO
+from zoo import calibrated
 
 import qcore
 
@@ -15,14 +15,7 @@ import qcore
 @pytest.mark.parametrize("backend", backend_params())
 @pytest.mark.parametrize("path", ["fx", "pt2e"])
 def test_every_module_of_a_converted_eval_model_is_in_eval_mode(backend: str, path: str) -> None:
-    entry = ZOO["mobilenetv2_like"]
-    model, example = entry.make_model().eval(), entry.example_inputs()
-    if path == "fx":
-        prepared = qcore.prepare_fx(model, None, example, backend=backend)
-    else:
-        prepared = qcore.prepare_pt2e(torch.export.export(model, example).module(), backend)
-    with torch.no_grad():
-        prepared(*example)
+    prepared, _ = calibrated("mobilenetv2_like", path, backend)
     converted = (qcore.convert_fx if path == "fx" else qcore.convert_pt2e)(prepared)
 
     kernels = [m for m in converted.modules() if type(m).__module__.startswith("qcore")]

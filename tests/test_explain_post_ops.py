@@ -6,20 +6,15 @@ lowered report counted 21 operators where the reference form counted 24, and
 from __future__ import annotations
 
 import pytest
-import torch
 from backends import backend_params
+from zoo import calibrated
 
 import qcore
-from qcore.examples import ZOO
 
 
 @pytest.mark.parametrize("backend", backend_params(("x86", "onednn")))
 def test_post_ops_keep_their_entries_with_the_kernel_that_runs_them(backend):
-    entry = ZOO["transformer_block"]
-    model, example = entry.make_model().eval(), entry.example_inputs()
-    prepared = qcore.prepare_pt2e(torch.export.export(model, example).module(), backend)
-    with torch.no_grad():
-        prepared(*example)
+    prepared, _ = calibrated("transformer_block", "pt2e", backend)
     lowered = qcore.explain(qcore.convert_pt2e(prepared))
     reference = qcore.explain(qcore.convert_pt2e(prepared, lower=False))
     ops = [e for e in lowered.entries if e.status.value != "-"]

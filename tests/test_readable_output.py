@@ -229,16 +229,9 @@ def test_qcore_quantizes_without_numpy():
 def test_every_converted_model_prints(name, path, backend):
     """print(model) raised on x86's PT2E transformer_block: a oneDNN linear with a
     float output has no output scale, and its extra_repr read one."""
-    from qcore.examples import ZOO
+    from zoo import calibrated
 
-    entry = ZOO[name]
-    model, example = entry.make_model().eval(), entry.example_inputs()
-    if path == "fx":
-        prepared = qcore.prepare_fx(model, None, example, backend=backend)
-    else:
-        prepared = qcore.prepare_pt2e(torch.export.export(model, example).module(), backend)
-    with torch.no_grad():
-        prepared(*example)
+    prepared, _ = calibrated(name, "fx" if path == "fx" else "pt2e", backend)
     if path == "fx":
         converted = qcore.convert_fx(prepared)
     else:
