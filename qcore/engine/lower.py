@@ -28,8 +28,10 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from qcore import ops
+from qcore.config.errors import QCoreWarning, caller_stacklevel
 from qcore.engine.explain import POST_OPS_KEY, Entry, Report, Status, attach_report, report_of
 from qcore.engine.float_islands import float_input_reason
+from qcore.engine.kernel_check import is_tested, recorded, sample_input, wrong_output
 from qcore.engine.reference import ReferenceModule
 from qcore.kernels.runtime import (
     EXACT_ENGINE,
@@ -185,6 +187,7 @@ class _Lowering:
         self.fused_into: dict[str, str] = {}  # erased chain node name -> its root's name
         self.unlowered: dict[str, str] = {}  # node name -> reason
         self.notes: dict[str, str] = {}  # lowered node name -> what explain should say
+        self.faulty: list[str] = []  # untested kernels refused on their trial run
 
     # ------------------------------------------------------------------ walking
 
@@ -300,6 +303,8 @@ class _Lowering:
         if returns_quantized and quantize is None:
             raise _Refused("the kernel returns int8 but the reference keeps the output float")
         _check_output_range(match.output, getattr(result, "honors_quant_range", False))
+        if not is_tested(kernel):
+            self._try_once(kernel, result, match, returns_quantized)
         if self._sums_may_saturate(result, match, root):
             if not result.can_move_to(EXACT_ENGINE):
                 raise _Refused(SATURATING_SUMS)
@@ -310,6 +315,45 @@ class _Lowering:
         self._wire_inputs(root)
         if returns_quantized:
             self._publish(root, quantize, match.output)
+
+    def _try_once(
+        self, kernel: Any, module: torch.nn.Module, match: KernelMatch, returns_quantized: bool
+    ) -> None:
+        """Run a kernel qcore does not test on inputs of the recorded shapes; refuse
+        it unless its output has the recorded shape and promised kind
+        (:mod:`qcore.engine.kernel_check`)."""
+        expected = recorded(match.nodes[-1], self.gm)
+        call = self._sample_call(match.root)
+        if expected is None or call is None:
+            return  # a size or other value with no recorded shape: nothing to try
+        args, kwargs = call
+        try:
+            with torch.no_grad():
+                problem = wrong_output(module(*args, **kwargs), expected[0], returns_quantized)
+        except Exception as error:
+            problem = f"it raised {type(error).__name__} on inputs of the recorded shapes: {error}"
+        if problem is not None:
+            self.faulty.append(f"{match.root.name} ({kernel.name}): {problem}")
+            raise _Refused(problem)
+
+    def _sample_call(self, root: Node) -> tuple[tuple, dict] | None:
+        """The root's arguments as sample values, or None where one has no recorded shape."""
+        unknown: list[Node] = []
+
+        def sample(arg: Node) -> Any:
+            found = recorded(arg, self.gm)
+            if found is None:
+                unknown.append(arg)
+                return None
+            qparams = None
+            if arg in self.float_of:
+                qparams = self.float_of[arg][1]
+            elif _is_call(arg, ops.dequantize_per_tensor):
+                qparams = _qparams(arg)
+            return sample_input(*found, qparams)
+
+        args, kwargs = map_arg(root.args, sample), map_arg(root.kwargs, sample)
+        return None if unknown else (args, kwargs)
 
     def _sums_may_saturate(self, kernel: Any, match: KernelMatch, root: Node) -> bool:
         """Whether ``kernel``'s 16-bit pair sums can overflow on this CPU: it sums
@@ -518,6 +562,16 @@ def lower(
     quiet_quantized_tensors()
     lowering = _Lowering(gm, kernels, backend, observed_ranges)
     lowering.run()
+    if lowering.faulty:
+        warnings.warn(
+            f"{len(lowering.faulty)} op(s) left in reference form because a kernel qcore "
+            "does not test failed its trial run at convert: "
+            + "; ".join(lowering.faulty)
+            + ". Report it to the plugin's authors; `qcore check <backend>` runs their "
+            "kernels against the reference form.",
+            QCoreWarning,
+            stacklevel=caller_stacklevel(),
+        )
     _select_on_float16(gm)
     _fp16_weight_kernels_read_float32(gm)
     _views_as_reshapes(gm)

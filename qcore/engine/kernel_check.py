@@ -1,0 +1,97 @@
+"""A kernel qcore's own suites do not test is run once at convert before it is used.
+
+qcore's kernels and its first-party plugins' are tested against the reference
+form in CI. A third party's kernel is tested by its vendor (``qcore check``), and
+one that returns the wrong shape would otherwise pass convert and fail, or
+broadcast silently, in the user's forward. Lowering runs such a kernel on
+inputs of the shapes and qparams prepare recorded and refuses it (the pattern
+stays in reference form, and convert warns) unless its output has the recorded
+shape and the kind of tensor its class promises (int8, or float where it sets
+``returns_quantized = False``). Values are ``qcore check``'s job: random inputs
+say nothing about whether an output is right.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from qcore import ops
+from qcore.plugin.kernels import ActivationQParams, Kernel
+
+__all__ = ["TESTED_PACKAGES", "is_tested", "recorded", "sample_input", "wrong_output"]
+
+TESTED_PACKAGES = frozenset({"qcore", "qcore_fbgemm", "qcore_qnnpack", "qcore_x86"})
+"""The packages whose kernels qcore's own CI tests against the reference form."""
+
+# What stands between a value and the op reading it, in a graph being lowered.
+_TRAVERSED = (
+    ops.quantize_per_tensor,
+    ops.dequantize_per_tensor,
+    ops.fake_quantize_dynamic,
+    torch.quantize_per_tensor,
+    torch.clamp,
+)
+
+
+def is_tested(kernel: Kernel) -> bool:
+    """Whether ``kernel``'s lowering is qcore's or a first-party plugin's."""
+    lower = kernel.lower
+    while isinstance(lower, functools.partial):
+        lower = lower.func
+    module = getattr(lower, "__module__", None) or ""
+    return module.split(".")[0] in TESTED_PACKAGES
+
+
+def recorded(node: Any, gm: GraphModule) -> tuple[torch.Size, torch.dtype] | None:
+    """The (shape, dtype) prepare recorded for the value ``node`` carries, through
+    the quantize/dequantize ops around it; None where none was recorded."""
+    while isinstance(node, Node):
+        # FX's probe records tensor_meta; torch.export records a fake tensor as val
+        meta = node.meta.get("tensor_meta", node.meta.get("val"))
+        if meta is not None and hasattr(meta, "shape"):
+            sizes = tuple(meta.shape)
+            if not all(isinstance(size, int) for size in sizes):
+                return None  # a dynamic (symbolic) size
+            return torch.Size(sizes), meta.dtype
+        if node.op == "get_attr":
+            value = getattr(gm, node.target, None)
+            return (value.shape, value.dtype) if isinstance(value, torch.Tensor) else None
+        traversed = (node.op == "call_function" and node.target in _TRAVERSED) or (
+            node.op == "call_method" and node.target == "dequantize"
+        )
+        if not traversed or not node.args:
+            return None
+        node = node.args[0]
+    return None
+
+
+def sample_input(
+    shape: torch.Size, dtype: torch.dtype, qparams: ActivationQParams | None
+) -> torch.Tensor:
+    """A value of ``shape``: torch int8 at ``qparams``; else random floats, or zeros
+    of an integer dtype (indices)."""
+    if not dtype.is_floating_point:
+        return torch.zeros(shape, dtype=dtype)
+    value = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    if qparams is None:
+        return value
+    return torch.quantize_per_tensor(value, qparams.scale, qparams.zero_point, qparams.dtype)
+
+
+def wrong_output(output: Any, expected: torch.Size, returns_quantized: bool) -> str | None:
+    """What is wrong with a kernel's ``output`` on inputs of the recorded shapes, or None."""
+    if not isinstance(output, torch.Tensor):
+        return f"it returned {type(output).__name__}, not a tensor"
+    if output.is_quantized != returns_quantized:
+        kind = "an int8 (torch quantized)" if returns_quantized else "a float"
+        found = "int8" if output.is_quantized else str(output.dtype).removeprefix("torch.")
+        return f"it returned a {found} tensor where its class promises {kind} one"
+    if output.shape != expected:
+        return (
+            f"it returned shape {tuple(output.shape)} where the reference gives {tuple(expected)}"
+        )
+    return None
