@@ -50,7 +50,7 @@ from qcore.engine.lower import lower, make_picklable
 from qcore.engine.prepare import prepare
 from qcore.engine.scripting import keep_model_when_scripted
 from qcore.engine.standalone import convert_standalone_modules, input_qparams
-from qcore.engine.trace import trace
+from qcore.engine.trace import copy_modes, trace
 from qcore.plugin import NATIVE, BackendLoadError, UnknownBackendError, get_backend, list_backends
 
 __all__ = [
@@ -350,9 +350,7 @@ def _convert(
     if not to_kernels:
         to_decomposed(converted)
         make_picklable(converted)
-    # the prepared model's mode, as torch.ao's convert keeps it: a batch norm or a
-    # dropout left float computes as it did there (a ported script calls no eval())
-    converted.train(prepared.training)
+    copy_modes(prepared, converted)  # a ported script calls no eval()
     return keep_model_when_scripted(converted)
 
 

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from qcore.config.errors import QCoreWarning, caller_stacklevel
 from qcore.engine.in_place import ProbedStorages
 
-__all__ = ["Probe", "cloned", "probe", "warn_if_unfaithful"]
+__all__ = ["Probe", "cloned", "probe", "record_shapes", "warn_if_unfaithful"]
 
 _SEED = 0
 
@@ -99,6 +99,19 @@ def _record_shapes(node: Node, result: Any) -> None:
     if found:
         node.meta["tensor_meta"] = meta
     node.meta["type"] = type(result)
+
+
+class _ShapeRecorder(Interpreter):
+    def run_node(self, node: Node) -> Any:
+        result = super().run_node(node)
+        _record_shapes(node, result)
+        return result
+
+
+def record_shapes(gm: GraphModule, *inputs: Any) -> None:
+    """Run ``gm`` and record each node's shape and dtype, as ``ShapeProp`` does, without
+    its printing a traceback to stderr where the run fails (the error is raised)."""
+    _ShapeRecorder(gm).run(*inputs)
 
 
 def cloned(value: Any) -> Any:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+from torch.fx.passes.shape_prop import TensorMetadata
 
 from qcore.config import BackendConfig, BackendPatternConfig, DTypeConfig
 from qcore.config.compat import observer_facts_reused
@@ -24,7 +24,7 @@ from qcore.engine.boundaries import output_values
 from qcore.engine.collector import collector_paused
 from qcore.engine.custom_modules import CustomCall, swap_observed
 from qcore.engine.explain import Entry, Report, Status, attach_report
-from qcore.engine.fidelity import cloned
+from qcore.engine.fidelity import cloned, record_shapes
 from qcore.engine.float_islands import gains_nothing
 from qcore.engine.fuse import fuse_graph
 from qcore.engine.infer import inferred_tensor_nodes
@@ -36,7 +36,7 @@ from qcore.engine.standalone import (
     annotate_standalone_inputs,
     swap_standalone,
 )
-from qcore.engine.trace import CustomConfig, trace
+from qcore.engine.trace import CustomConfig, modes_of, set_modes, trace
 from qcore.quantizer.spec import QuantizationAnnotation
 
 __all__ = ["STATE_KEY", "Accepted", "PreparedState", "prepare"]
@@ -114,11 +114,11 @@ def _tensor_nodes(gm: GraphModule, example_inputs: tuple | None) -> set[Node]:
         return inferred_tensor_nodes(gm)
     if all("type" in node.meta for node in gm.graph.nodes):  # trace's probe ran them
         return _float_valued(gm)
-    training = gm.training
+    modes = modes_of(gm)
     gm.eval()  # the probe run must not move batch-norm statistics
     try:
         with torch.no_grad():
-            ShapeProp(gm).propagate(*cloned(example_inputs))
+            record_shapes(gm, *cloned(example_inputs))
     except Exception as error:  # noqa: BLE001 - any failure of the user's forward
         warnings.warn(
             f"prepare: the example inputs did not run through the model "
@@ -129,7 +129,7 @@ def _tensor_nodes(gm: GraphModule, example_inputs: tuple | None) -> set[Node]:
         )
         return inferred_tensor_nodes(gm)
     finally:
-        gm.train(training)
+        set_modes(gm, modes)
     return _float_valued(gm)
 
 

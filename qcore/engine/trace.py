@@ -25,7 +25,10 @@ __all__ = [
     "CustomConfig",
     "TraceFailure",
     "as_custom_config",
+    "copy_modes",
     "delete_unused_submodules",
+    "modes_of",
+    "set_modes",
     "trace",
 ]
 
@@ -109,6 +112,7 @@ def trace(
             name,
         ) from error
     gm = GraphModule(tracer.root, graph, type(model).__name__)
+    copy_modes(tracer.root, gm)  # torch.fx makes the containers on a path anew
     hooked = hooked_modules(model)
     warn_of_hooks(hooked)
     probed = probe(gm, tracer.root, example_inputs) if example_inputs is not None else None
@@ -116,6 +120,26 @@ def trace(
     if probed is not None:
         warn_if_unfaithful(gm, tracer.root, probed, example_inputs, hooked=bool(hooked))
     return gm
+
+
+def modes_of(model: torch.nn.Module) -> dict[str, bool]:
+    """Each module's train/eval mode, by name ("" is ``model``)."""
+    return {name: module.training for name, module in model.named_modules()}
+
+
+def set_modes(model: torch.nn.Module, modes: dict[str, bool]) -> None:
+    """The modes :func:`modes_of` read, module by module, as torch.ao's convert
+    keeps them: a frozen batch norm in a training model stays frozen. Modules
+    ``modes`` does not name (kernels, fused modules) follow the top level."""
+    model.train(modes[""])
+    for name, module in model.named_modules():
+        if name in modes:
+            module.training = modes[name]
+
+
+def copy_modes(source: torch.nn.Module, target: torch.nn.Module) -> None:
+    """``source``'s modes on ``target`` (:func:`set_modes`); the two may share modules."""
+    set_modes(target, modes_of(source))
 
 
 def delete_unused_submodules(gm: GraphModule) -> None:
