@@ -513,11 +513,17 @@ class _Encoder:
                 return plain(value)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             cls = self.allow.class_name(type(value), where, "value")
-            fields = {
-                f.name: self.value(getattr(value, f.name), f"{where}.{f.name}")
-                for f in dataclasses.fields(value)
+            names = [f.name for f in dataclasses.fields(value)]
+            fields = {name: self.value(getattr(value, name), f"{where}.{name}") for name in names}
+            # what __post_init__ or a method set beside the fields (a transformers
+            # config's _attn_implementation_internal): the loaded object needs it too
+            extra = {
+                name: self.value(attribute, f"{where}.{name}")
+                for name, attribute in getattr(value, "__dict__", {}).items()
+                if name not in fields
             }
-            return {"$": "object", "class": cls, "fields": fields}
+            encoded = {"$": "object", "class": cls, "fields": fields}
+            return {**encoded, "extra": extra} if extra else encoded
         if isinstance(value, type):
             return {"$": "class", "name": self.allow.class_name(value, where, "type")}
         from qcore.engine.explain import Report
@@ -836,9 +842,17 @@ class _Decoder:
                 f"the fields {names} of {cls.__qualname__}",
                 fields,
             )
+            extra = data.get("extra", {})
+            _expect(
+                isinstance(extra, dict)
+                and all(isinstance(n, str) and n.isidentifier() for n in extra),
+                where,
+                "attributes by name",
+                extra,
+            )
             instance = cls.__new__(cls)
-            for name in names:
-                object.__setattr__(instance, name, self.value(fields[name], f"{where}.{name}"))
+            for name, encoded in [*((n, fields[n]) for n in names), *extra.items()]:
+                object.__setattr__(instance, name, self.value(encoded, f"{where}.{name}"))
             return instance
         if kind == "class":
             return self.allow.resolve_class(data.get("name"), where, "type")

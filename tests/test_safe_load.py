@@ -14,6 +14,7 @@ classes or injected code) are refused with an error naming what, running nothing
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import io
 import os
@@ -233,6 +234,35 @@ def test_a_function_outside_the_allow_list_is_saved_and_loaded_only_when_allowed
     loaded = qcore.load(path, allow=[_user_scale])
     x = torch.randn(3, 8)
     _assert_identical(converted(x), loaded(x))
+
+
+@dataclasses.dataclass
+class _Settings:
+    hidden: int = 8
+
+    def __post_init__(self) -> None:
+        self._implementation = "eager"  # beside the fields, as transformers' configs do
+
+
+class _Configured(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config, self.linear = _Settings(), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * (2.0 if self.config._implementation == "eager" else 1.0)
+
+
+def test_an_allowed_dataclass_keeps_what_is_set_beside_its_fields(tmp_path):
+    """Only the fields were saved: a transformers config lost
+    _attn_implementation_internal and the loaded BERT failed at its first call."""
+    model = _Configured().eval()
+    path = tmp_path / "configured.qcore"
+    qcore.save(model, path, allow=[_Configured, _Settings])
+    loaded = qcore.load(path, allow=[_Configured, _Settings])
+    assert vars(loaded.config) == {"hidden": 8, "_implementation": "eager"}
+    x = torch.randn(2, 8)
+    _assert_identical(model(x), loaded(x))
 
 
 def test_a_model_with_hooks_is_refused_by_save(tmp_path):
