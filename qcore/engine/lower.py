@@ -310,6 +310,9 @@ class _Lowering:
                 raise _Refused(SATURATING_SUMS)
             result.move_to(EXACT_ENGINE)
             self.notes[root.name] = ON_EXACT_ENGINE
+        note = result.__dict__.pop("lowering_note", "")  # what the kernel chose, and why
+        if note:
+            self.notes[root.name] = note
         self._install(root, result)
         self._collapse(chain)
         self._wire_inputs(root)

@@ -21,10 +21,13 @@ import torch
 from qcore.engine.conv_padding import explicit_padding
 from qcore.engine.reference import ReferenceModule, weighted_child
 from qcore.kernels.packed import PackedWeights
+from qcore.kernels.runtime import EXACT_ENGINE
 from qcore.kernels.scripted import SCRIPTED_CONV, SCRIPTED_CONV_TRANSPOSE
 from qcore.plugin.kernels import ActivationQParams, KernelMatch
 
 __all__ = ["QuantizedConv", "QuantizedConvTranspose", "QuantizedLinear", "conv_geometry"]
+
+_ROUNDING_STEPS = 2  # a kernel's requantization may round differently from the reference
 
 # torch's ops, bound once: a lookup through torch.ops costs about as much as the
 # Python around a kernel call. TorchScript compiles them as the ops themselves.
@@ -231,4 +234,44 @@ class QuantizedConvTranspose(PackedWeights):
 
     @classmethod
     def lower(cls, match: KernelMatch):
-        return cls(_reference(match), match.output, match.engine)
+        reference = _reference(match)
+        kernel = cls(reference, match.output, match.engine)
+        kernel.avoid_wrong_engine(reference, match.inputs[0])
+        return kernel
+
+    def avoid_wrong_engine(self, reference: ReferenceModule, input: ActivationQParams) -> None:
+        """Run once against the reference on a random input; where the kernel is off,
+        pack for :data:`EXACT_ENGINE` instead, or raise (the layer then stays in
+        reference form). torch 2.13's fbgemm int8 conv_transpose2d is 200-255 steps
+        off for 2-row kernels with 8k input and output channels (UNet's
+        ``ConvTranspose2d(C, C, 2, stride=2)``) on AVX512 CPUs; no shape rule is
+        certain across CPUs, so each layer is checked."""
+        off = self._steps_off(reference, input)
+        if off <= _ROUNDING_STEPS:
+            return
+        wrong = self.engine
+        if wrong != EXACT_ENGINE and self.can_move_to(EXACT_ENGINE):
+            self.move_to(EXACT_ENGINE)
+            if self._steps_off(reference, input) <= _ROUNDING_STEPS:
+                self.lowering_note = (
+                    f"runs on {EXACT_ENGINE}'s kernel: torch's {wrong} int8 conv_transpose "
+                    f"is {off} steps off the reference for this layer's shape"
+                )
+                return
+        raise ValueError(
+            f"torch's int8 conv_transpose ({wrong} and {EXACT_ENGINE}) is up to {off} "
+            "steps off the reference for this layer's shape"
+        )
+
+    def _steps_off(self, reference: ReferenceModule, input: ActivationQParams) -> int:
+        low, high = input.quant_range or (0, 255)
+        generator = torch.Generator().manual_seed(0)
+        size = (1, weighted_child(reference.module).in_channels) + (6,) * self.dims
+        integers = torch.randint(low, high + 1, size, generator=generator, dtype=torch.uint8)
+        x = torch._make_per_tensor_quantized_tensor(integers, input.scale, input.zero_point)
+        with torch.no_grad():
+            expected = torch.quantize_per_tensor(
+                reference(x.dequantize()), self.scale, self.zero_point, torch.quint8
+            )
+            found = self(x)
+        return int((found.int_repr().int() - expected.int_repr().int()).abs().max())
