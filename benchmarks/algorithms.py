@@ -18,7 +18,8 @@ dequantize ops around float ops), run eagerly. A benchmark, not a check.
 A model named ``<model>+trained_bn`` is ``<model>`` with batch-norm statistics as
 training leaves them (:func:`plant_trained_bn`): the per-channel range imbalance
 equalization is for, which random weights do not have. The backend name
-``"qnnpack per-channel"`` is qnnpack with per-channel weights (:func:`its_quantizer`).
+``"qnnpack per-channel"`` is qnnpack with per-channel weights, ``"qnnpack
+residual-float"`` qnnpack with its adds left float (:func:`its_quantizer`).
 ``--merge`` keeps the rows ``--out`` has for what this run does not measure.
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import operator
 import os
 import platform
 import sys
@@ -64,6 +66,8 @@ DEPTHWISE = ("mobilenetv2_like", "mobilenet_v2", "efficientnet", "convnext")
 BACKENDS = ("x86", "qnnpack")
 #: A row beside the backends: qnnpack with per-channel weights (its_quantizer).
 QNNPACK_PER_CHANNEL = "qnnpack per-channel"
+#: Another: qnnpack with every add float, the user guide's scope for transformers.
+QNNPACK_RESIDUAL_FLOAT = "qnnpack residual-float"
 #: qcore's recipes, in table order: name -> quantize's algorithms=.
 RECIPES: dict[str, list] = {
     "plain": [],
@@ -255,15 +259,20 @@ def its_quantizer(backend: str) -> object:
     or for ``QNNPACK_PER_CHANNEL`` qnnpack's Quantizer compiled with its default
     QConfigMapping whose global QConfig takes per-channel symmetric weights, what a
     user writes for torchao's ``XNNPACKQuantizer(is_per_channel=True)``: torch's
-    qnnpack conv and linear kernels take per-channel weights."""
-    if backend != QNNPACK_PER_CHANNEL:
+    qnnpack conv and linear kernels take per-channel weights; for
+    ``QNNPACK_RESIDUAL_FLOAT`` the same mapping with every add left float."""
+    if backend not in (QNNPACK_PER_CHANNEL, QNNPACK_RESIDUAL_FLOAT):
         return backend
     from qcore.observers import default_per_channel_weight_observer
     from qcore.pt2e.backend_quantizer import BackendQuantizer
 
     mapping = qcore.get_default_qconfig_mapping("qnnpack")
-    activation = mapping.global_qconfig.activation
-    mapping.set_global(qcore.QConfig(activation, default_per_channel_weight_observer))
+    if backend == QNNPACK_PER_CHANNEL:
+        activation = mapping.global_qconfig.activation
+        mapping.set_global(qcore.QConfig(activation, default_per_channel_weight_observer))
+    else:
+        for add in (operator.add, torch.add):
+            mapping.set_object_type(add, None)
     return BackendQuantizer.for_backend("qnnpack", mapping)
 
 
