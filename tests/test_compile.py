@@ -237,6 +237,38 @@ def test_fx_reference_modules_become_int8_weights_with_the_same_numbers(backend)
     assert torch.equal(reference(x), expected)
 
 
+class _SameConvAddLeaky(torch.nn.Module):
+    """A ``padding="same"`` conv, a conv + add and a linear + leaky relu (onednn
+    fuses both): qcore.compile left these float on the FX path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.same = torch.nn.Conv2d(3, 8, 3, padding="same")
+        self.conv = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.fc, self.leaky = torch.nn.Linear(8, 4), torch.nn.LeakyReLU(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.same(x))
+        y = self.conv(y) + y
+        return self.leaky(self.fc(y.mean((2, 3))))
+
+
+@pytest.mark.parametrize("backend", ["x86", "onednn"])
+def test_same_padding_conv_add_and_fused_activations_become_int8_weights(backend):
+    from qcore.engine.decomposed import weights_in_graph
+
+    if not installed(backend):
+        pytest.skip(f"needs the {backend} plugin")
+    torch.manual_seed(0)
+    model, x = _SameConvAddLeaky().eval(), torch.randn(2, 3, 8, 8)
+    prepared = qcore.prepare_fx(model, None, (x,), backend=backend)
+    prepared(x)
+    reference = qcore.convert_to_reference_fx(prepared)
+    expected = reference(x)
+    assert weights_in_graph(reference) == 3  # same, conv (onednn: + add), fc (+ leaky relu)
+    assert torch.equal(reference(x), expected)
+
+
 @pytest.mark.parametrize(
     "arguments, error, words",
     [

@@ -12,12 +12,16 @@ way between two steps may land one step away from qcore.ops' rounding.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.ao.nn.intrinsic as nni
 import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed)
 from torch.fx import GraphModule, Node
 
 from qcore import ops
+from qcore.engine.conv_padding import explicit_padding
 
 __all__ = ["to_decomposed", "weights_in_graph"]
 
@@ -93,22 +97,44 @@ _CONVS = {
 }
 
 
-def _weighted_op(module: torch.nn.Module) -> tuple[torch.nn.Module, bool] | None:
-    """(the conv or linear, followed by a relu) a reference module runs, or None."""
+# onednn's conv + add fused modules: (the second input is added after the conv, a relu?)
+_CONV_ADD = {nni.ConvAdd2d: False, nni.ConvAddReLU2d: True}
+
+
+@dataclass(frozen=True)
+class _Weighted:
+    """What a reference module runs: ``layer``, then a second input added where
+    ``adds`` (onednn's conv + add), then the modules ``after`` it in order."""
+
+    layer: torch.nn.Module
+    after: tuple[torch.nn.Module, ...]
+    adds: bool
+    padding: list[int]
+
+
+def _weighted_op(module: torch.nn.Module) -> _Weighted | None:
+    """The conv or linear a reference module runs, and what follows it; None where
+    the module is none of those."""
     parts = list(module) if isinstance(module, torch.nn.Sequential) else [module]
-    child, rest = parts[0], parts[1:]
-    if type(child) not in (*_CONVS, torch.nn.Linear):
+    layer, after = parts[0], parts[1:]
+    adds = type(module) in _CONV_ADD
+    if adds and _CONV_ADD[type(module)]:
+        after.append(module.relu)
+    if type(layer) not in (*_CONVS, torch.nn.Linear):
         return None
-    if rest and not (len(rest) == 1 and isinstance(rest[0], torch.nn.ReLU)):
-        return None
-    if type(child) in _CONVS and (child.padding_mode != "zeros" or isinstance(child.padding, str)):
-        return None
-    return child, bool(rest)
+    padding: list[int] = []
+    if type(layer) in _CONVS:
+        found = explicit_padding(layer.padding, layer.kernel_size, layer.dilation)
+        if layer.padding_mode != "zeros" or found is None:
+            return None  # reflect or asymmetric "same" padding: aten's conv has no such form
+        padding = found
+    return _Weighted(layer, tuple(after), adds, padding)
 
 
 def weights_in_graph(gm: GraphModule) -> int:
-    """Each conv/linear reference module (plain or with a fused relu) becomes its
-    integer weight, a ``quantized_decomposed`` dequantize and the aten op, in place:
+    """Each conv/linear reference module (plain, fused with an activation, or
+    onednn's conv + add) becomes its integer weight, a ``quantized_decomposed``
+    dequantize and the aten ops, in place:
     the graph torchao's PT2E convert gives, which compilers' int8 passes match.
     The numbers are the reference module's (it runs on the same dequantized
     weights). Returns how many were rewritten; others stay modules."""
@@ -116,63 +142,19 @@ def weights_in_graph(gm: GraphModule) -> int:
 
     graph, rewritten = gm.graph, 0
     for node in list(graph.nodes):
-        if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+        if node.op != "call_module" or node.kwargs:
             continue
         reference = gm.get_submodule(node.target)
         found = _weighted_op(reference.module) if isinstance(reference, ReferenceModule) else None
         if found is None or list(reference.weight_qparams) not in (["weight"], ["0.weight"]):
             continue
+        if len(node.args) != (2 if found.adds else 1):
+            continue
         ((name, qparams),) = reference.weight_qparams.items()
         if qparams.dtype != torch.qint8:
             continue
-        child, relu = found
-        prefix = node.name
-        gm.register_buffer(f"{prefix}_weight_int8", reference.integer_weight(name).clone())
-        limits = (qparams.quant_min, qparams.quant_max, torch.int8)
         with graph.inserting_before(node):
-            integer = graph.get_attr(f"{prefix}_weight_int8")
-            if qparams.per_channel:
-                gm.register_buffer(f"{prefix}_weight_scale", qparams.scale.to(torch.float32))
-                gm.register_buffer(f"{prefix}_weight_zero_point", qparams.zero_point.long())
-                weight = graph.call_function(
-                    qd.dequantize_per_channel.default,
-                    (
-                        integer,
-                        graph.get_attr(f"{prefix}_weight_scale"),
-                        graph.get_attr(f"{prefix}_weight_zero_point"),
-                        qparams.axis,
-                        *limits,
-                    ),
-                )
-            else:
-                scale = float(qparams.scale.reshape(-1)[0])
-                zero_point = int(qparams.zero_point.reshape(-1)[0])
-                weight = graph.call_function(
-                    qd.dequantize_per_tensor.default, (integer, scale, zero_point, *limits)
-                )
-            bias = None
-            if child.bias is not None:
-                gm.register_buffer(f"{prefix}_bias", child.bias.detach().clone())
-                bias = graph.get_attr(f"{prefix}_bias")
-            if isinstance(child, torch.nn.Linear):
-                out = graph.call_function(
-                    torch.ops.aten.linear.default, (node.args[0], weight, bias)
-                )
-            else:
-                out = graph.call_function(
-                    _CONVS[type(child)],
-                    (
-                        node.args[0],
-                        weight,
-                        bias,
-                        list(child.stride),
-                        list(child.padding),
-                        list(child.dilation),
-                        child.groups,
-                    ),
-                )
-            if relu:
-                out = graph.call_function(torch.ops.aten.relu.default, (out,))
+            out = _call_weighted(gm, node, found, reference.integer_weight(name), qparams)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
         rewritten += 1
@@ -181,3 +163,47 @@ def weights_in_graph(gm: GraphModule) -> int:
         graph.lint()
         gm.recompile()
     return rewritten
+
+
+def _call_weighted(
+    gm: GraphModule, node: Node, found: _Weighted, integer: torch.Tensor, qparams: Any
+) -> Node:
+    """The nodes computing ``node``'s reference module from its integer weight."""
+    graph, prefix, layer = gm.graph, node.name, found.layer
+    gm.register_buffer(f"{prefix}_weight_int8", integer.clone())
+    limits = (qparams.quant_min, qparams.quant_max, torch.int8)
+    weight_int8 = graph.get_attr(f"{prefix}_weight_int8")
+    if qparams.per_channel:
+        gm.register_buffer(f"{prefix}_weight_scale", qparams.scale.to(torch.float32))
+        gm.register_buffer(f"{prefix}_weight_zero_point", qparams.zero_point.long())
+        scale = graph.get_attr(f"{prefix}_weight_scale")
+        zero_point = graph.get_attr(f"{prefix}_weight_zero_point")
+        weight = graph.call_function(
+            qd.dequantize_per_channel.default,
+            (weight_int8, scale, zero_point, qparams.axis, *limits),
+        )
+    else:
+        scale = float(qparams.scale.reshape(-1)[0])
+        zero_point = int(qparams.zero_point.reshape(-1)[0])
+        weight = graph.call_function(
+            qd.dequantize_per_tensor.default, (weight_int8, scale, zero_point, *limits)
+        )
+    bias = None
+    if layer.bias is not None:
+        gm.register_buffer(f"{prefix}_bias", layer.bias.detach().clone())
+        bias = graph.get_attr(f"{prefix}_bias")
+    x = node.args[0]
+    if isinstance(layer, torch.nn.Linear):
+        out = graph.call_function(torch.ops.aten.linear.default, (x, weight, bias))
+    else:
+        geometry = (list(layer.stride), found.padding, list(layer.dilation), layer.groups)
+        out = graph.call_function(_CONVS[type(layer)], (x, weight, bias, *geometry))
+    if found.adds:
+        out = graph.call_function(torch.ops.aten.add.Tensor, (out, node.args[1]))
+    for index, module in enumerate(found.after):
+        if isinstance(module, torch.nn.ReLU):
+            out = graph.call_function(torch.ops.aten.relu.default, (out,))
+        else:  # tanh, leaky relu, ... as the reference runs them
+            gm.add_submodule(f"{prefix}_after_{index}", module)
+            out = graph.call_module(f"{prefix}_after_{index}", (out,))
+    return out
