@@ -275,17 +275,24 @@ class OnednnLinear(_OnednnWeighted):
 
     def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
         weight = (self._packed, self._w_scale, self._w_zero_point, self.bias)
+        # oneDNN's linear reads its input and addend as row-major matrices, whatever
+        # their strides (a transposed or sliced view gave another tensor's values), and
+        # flattens an empty input's leading dimensions into one
+        x = x.contiguous()
+        leading = list(x.shape[:-1])
         if other is None:
             y = torch.ops.onednn.qlinear_pointwise(
                 _as_uint8(x), *self._x, *weight, *self._output_args(),
                 self.unary, self.unary_scalars, self.unary_algorithm,
             )  # fmt: skip
-            return self._finish(y)
-        addend = other.dequantize() if other.is_quantized else other
-        y = torch.ops.onednn.qlinear_pointwise.binary(
-            _as_uint8(x), *self._x, *weight[:3], addend, self.bias, *self._output_args(), 1.0, 0,
-            "add", 1.0, self.unary, self.unary_scalars, self.unary_algorithm,
-        )  # fmt: skip
+        else:
+            addend = (other.dequantize() if other.is_quantized else other).contiguous()
+            y = torch.ops.onednn.qlinear_pointwise.binary(
+                _as_uint8(x), *self._x, *weight[:3], addend, self.bias, *self._output_args(),
+                1.0, 0, "add", 1.0, self.unary, self.unary_scalars, self.unary_algorithm,
+            )  # fmt: skip
+        if list(y.shape[:-1]) != leading:
+            y = y.reshape(leading + [y.shape[-1]])
         return self._finish(y)
 
 

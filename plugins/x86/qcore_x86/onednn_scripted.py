@@ -168,19 +168,23 @@ class ScriptedOnednnLinear(_ScriptedOnednn):
         return torch.ops.onednn.qlinear_prepack(self.weight_int, None)
 
     def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
+        data = x.int_repr().contiguous()  # as OnednnLinear: row-major in, leading dims kept
+        leading = list(x.shape[:-1])
         if other is None:
             y = torch.ops.onednn.qlinear_pointwise(
-                x.int_repr(), x.q_scale(), x.q_zero_point(), self._packed,
+                data, x.q_scale(), x.q_zero_point(), self._packed,
                 self.w_scale, self.w_zero_point, self.bias, self._output_scale(),
                 self._output_zero_point(), self._output_dtype(), self.unary,
                 self.unary_scalars, self.unary_algorithm,
             )  # fmt: skip
-            return self._finish(y)
-        addend = other.dequantize() if other.is_quantized else other
-        y = torch.ops.onednn.qlinear_pointwise(  # the .binary overload
-            x.int_repr(), x.q_scale(), x.q_zero_point(), self._packed, self.w_scale,
-            self.w_zero_point, addend, self.bias, self._output_scale(),
-            self._output_zero_point(), self._output_dtype(), 1.0, 0, "add", 1.0, self.unary,
-            self.unary_scalars, self.unary_algorithm,
-        )  # fmt: skip
+        else:
+            addend = (other.dequantize() if other.is_quantized else other).contiguous()
+            y = torch.ops.onednn.qlinear_pointwise(  # the .binary overload
+                data, x.q_scale(), x.q_zero_point(), self._packed, self.w_scale,
+                self.w_zero_point, addend, self.bias, self._output_scale(),
+                self._output_zero_point(), self._output_dtype(), 1.0, 0, "add", 1.0,
+                self.unary, self.unary_scalars, self.unary_algorithm,
+            )  # fmt: skip
+        if list(y.shape[:-1]) != leading:
+            y = y.reshape(leading + [y.shape[-1]])
         return self._finish(y)
