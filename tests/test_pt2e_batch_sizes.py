@@ -60,3 +60,40 @@ def test_a_fixed_batch_of_two_refuses_other_batches_as_the_guide_says(backend):
     assert message in GUIDE.read_text().replace("\n", " ")
     with pytest.raises(AssertionError, match=re.escape(message)):
         prepared(torch.randn(8, 3, 224, 224))
+
+
+class BranchesOnBatch(nn.Module):
+    """Its graph depends on the batch: export keeps the branch it took (batch <= 8)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) if x.shape[0] <= 8 else -self.fc(x)
+
+
+@pytest.mark.parametrize("backend", backend_params(("x86", "qnnpack")))
+@pytest.mark.parametrize(
+    "dim",
+    [torch.export.Dim.AUTO, torch.export.Dim("batch", max=8)],
+    ids=["a branch on the batch", "Dim(max=8)"],
+)
+def test_the_ranges_export_recorded_are_kept(backend, dim, tmp_path):
+    """qcore's guard kept static sizes only: batch 12 ran the branch exported for
+    batch <= 8 (2.0 off on outputs of 1.2), where export's own guard and torchao's
+    model refuse it."""
+    model = BranchesOnBatch().eval()
+    exported = torch.export.export(model, (torch.randn(4, 16),), dynamic_shapes=({0: dim},))
+    prepared = qcore.prepare_pt2e(exported.module(), backend)
+    prepared(torch.randn(4, 16))
+    message = "input 'x': dimension 0 is 12; the model was exported for 0 to 8"
+    for converted in (qcore.convert_pt2e(prepared), qcore.convert_pt2e(prepared, lower=False)):
+        for size in (0, 1, 8):
+            assert converted(torch.randn(size, 16)).shape == (size, 4)
+        with pytest.raises(AssertionError, match=re.escape(message)):
+            converted(torch.randn(12, 16))
+    qcore.save(qcore.convert_pt2e(prepared), tmp_path / "model.qcore")
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        qcore.load(tmp_path / "model.qcore")(torch.randn(12, 16))

@@ -29,10 +29,18 @@ class InputShapeGuard(torch.nn.Module):
     # The call has no users; without this, dead-code elimination would drop it.
     _is_impure = True
 
-    def __init__(self, names: tuple[str, ...], shapes: tuple[tuple[DimSpec, ...] | None, ...]):
+    def __init__(
+        self,
+        names: tuple[str, ...],
+        shapes: tuple[tuple[DimSpec, ...] | None, ...],
+        ranges: dict[str, tuple[int, int | None]] | None = None,
+    ):
         super().__init__()
         self.names = names
         self.shapes = shapes
+        self.ranges = dict(ranges or {})
+        """A dynamic dimension's (min, max) where export bounds it: ``Dim("batch",
+        max=8)``, or a branch on the size the graph took (``if x.shape[0] <= 8``)."""
 
     def forward(self, *inputs: object) -> None:
         symbols: dict[str, tuple[str, int]] = {}
@@ -61,11 +69,22 @@ class InputShapeGuard(torch.nn.Module):
                     )
                 else:
                     symbols[expected] = (f"{name!r} dimension {dim}", size)
+                    self._check_range(name, dim, size, expected)
+
+    def _check_range(self, name: str, dim: int, size: int, symbol: str) -> None:
+        low, high = getattr(self, "ranges", {}).get(symbol, (0, None))  # older pickles: none
+        torch._assert(
+            low <= size and (high is None or size <= high),
+            f"input {name!r}: dimension {dim} is {size}; the model was exported for "
+            f"{low} to {'any size' if high is None else high} (its graph may depend on it)",
+        )
 
     def extra_repr(self) -> str:
-        return ", ".join(
+        shapes = ", ".join(
             f"{n}: {list(s) if s else s}" for n, s in zip(self.names, self.shapes, strict=True)
         )
+        ranges = getattr(self, "ranges", {})
+        return f"{shapes}, ranges: {ranges}" if ranges else shapes
 
 
 def _shape_of(node: Node) -> tuple[DimSpec, ...] | None:
@@ -73,6 +92,39 @@ def _shape_of(node: Node) -> tuple[DimSpec, ...] | None:
     if not isinstance(value, torch.Tensor):
         return None
     return tuple(int(d) if isinstance(d, int) else str(d.node.expr) for d in value.shape)
+
+
+# torch.export specialises sizes 0 and 1 and records a free dimension from 2, yet its
+# guard lets 0 and 1 through; a larger minimum is the user's (Dim("b", min=3))
+_EXPORT_MINIMUM = 2
+
+
+def _finite(bound: object) -> int | None:
+    """A bound as an int; None where it is infinite (sympy's or torch's int_oo)."""
+    try:
+        return int(bound)  # type: ignore[call-overload]
+    except (OverflowError, TypeError, ValueError, AttributeError):
+        return None
+
+
+def _ranges_of(node: Node) -> dict[str, tuple[int, int | None]]:
+    """The bounds export recorded for ``node``'s dynamic dimensions, by symbol."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return {}
+    found = {}
+    for size in value.shape:
+        if isinstance(size, int):
+            continue
+        expr = size.node.expr
+        bounds = size.node.shape_env.var_to_range.get(expr)
+        if bounds is None:
+            continue  # a derived size (2 * s0): its symbol's own bounds hold it
+        low, high = _finite(bounds.lower), _finite(bounds.upper)
+        low = low if low is not None and low > _EXPORT_MINIMUM else 0
+        if low or high is not None:
+            found[str(expr)] = (low, high)
+    return found
 
 
 def _holds_proxy(value: object) -> bool:
@@ -121,7 +173,9 @@ def replace_export_guard(gm: GraphModule) -> None:
     for node in gm.graph.find_nodes(op="call_module", target="_guards_fn"):
         guarded = [arg for arg in node.args if isinstance(arg, Node)]
         gm._guards_fn = InputShapeGuard(
-            tuple(arg.name for arg in guarded), tuple(_shape_of(arg) for arg in guarded)
+            tuple(arg.name for arg in guarded),
+            tuple(_shape_of(arg) for arg in guarded),
+            {symbol: bounds for arg in guarded for symbol, bounds in _ranges_of(arg).items()},
         )
     gm.graph._tracer_cls = ExportedCodeTracer  # deep copies take the graph's
     gm._tracer_cls = ExportedCodeTracer
