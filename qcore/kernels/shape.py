@@ -116,6 +116,15 @@ AVERAGING_PATTERNS = (
 
 
 _MAX_POOL1D = (torch.nn.MaxPool1d, F.max_pool1d, aten.max_pool1d.default)
+_MAX_POOLS = (
+    *_MAX_POOL1D,
+    torch.nn.MaxPool2d,
+    torch.nn.MaxPool3d,
+    F.max_pool2d,
+    F.max_pool3d,
+    aten.max_pool2d.default,
+    aten.max_pool3d.default,
+)
 _MAX_POOL1D_ARGUMENTS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
 
 
@@ -183,15 +192,26 @@ def lower_selecting(match: KernelMatch) -> SameOp | QuantizedMaxPool1d:
         require(arguments["train"] is False, "dropout in training mode")
     same = same_as_input(match)
     key = type(module) if module is not None else match.root.target
+    if key in _MAX_POOLS:
+        kernel_size = _max_pool_arguments(match, module).get("kernel_size", 2)
+        sizes = list(kernel_size) if isinstance(kernel_size, (tuple, list)) else [kernel_size]
+        require(
+            any(size != 1 for size in sizes),
+            "max pooling of size 1, which torch 2.13's qnnpack int8 max pool refuses at "
+            "every call (under that engine); the reference form selects the same values",
+        )
     if key not in _MAX_POOL1D or match.output != same.produces:
         return same  # (an output requantized after it: the lowering inserts that)
-    names = (*_MAX_POOL1D_ARGUMENTS, "return_indices")
-    if module is not None:
-        arguments = {name: getattr(module, name) for name in names}
-    else:
-        arguments = _averaging_arguments(match, names)
+    arguments = _max_pool_arguments(match, module)
     require(not arguments.get("return_indices"), "max_pool1d returning indices")
     return QuantizedMaxPool1d(arguments)
+
+
+def _max_pool_arguments(match: KernelMatch, module: Any) -> dict[str, Any]:
+    names = (*_MAX_POOL1D_ARGUMENTS, "return_indices")
+    if module is not None:
+        return {name: getattr(module, name) for name in names}
+    return _averaging_arguments(match, names)
 
 
 # The averaging ops whose int8 kernel torch picks by the global quantized engine:

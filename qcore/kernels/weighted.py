@@ -25,7 +25,13 @@ from qcore.kernels.runtime import EXACT_ENGINE
 from qcore.kernels.scripted import SCRIPTED_CONV, SCRIPTED_CONV_TRANSPOSE
 from qcore.plugin.kernels import ActivationQParams, KernelMatch
 
-__all__ = ["QuantizedConv", "QuantizedConvTranspose", "QuantizedLinear", "conv_geometry"]
+__all__ = [
+    "QuantizedConv",
+    "QuantizedConvTranspose",
+    "QuantizedLinear",
+    "conv_geometry",
+    "onednn_conv_trouble",
+]
 
 _ROUNDING_STEPS = 2  # a kernel's requantization may round differently from the reference
 
@@ -159,7 +165,31 @@ class QuantizedConv(PackedWeights):
     @classmethod
     def lower(cls, match: KernelMatch, relu: bool = False):
         reference = _reference(match)
-        return cls(reference, match.output, relu, _conv_engine(reference, match))
+        engine = _conv_engine(reference, match)
+        trouble = onednn_conv_trouble(weighted_child(reference.module))
+        if engine not in ("x86", "onednn") or trouble is None:
+            return cls(reference, match.output, relu, engine)
+        kernel = cls(reference, match.output, relu, EXACT_ENGINE)
+        kernel.lowering_note = f"runs on {EXACT_ENGINE}'s kernel: {trouble}"
+        return kernel
+
+
+def onednn_conv_trouble(conv: torch.nn.Module) -> str | None:
+    """Why torch 2.13's oneDNN int8 conv (which its x86 engine also runs on CPUs with
+    VNNI) cannot be trusted with ``conv``'s geometry, or None. Both cases are 120-255
+    steps off the reference on an AVX512-VNNI CPU, as in torch.ao's models; no CPU
+    check is made, so the rule holds wherever qcore runs."""
+    _, padding, dilation, groups = conv_geometry(conv)
+    kernel = conv.kernel_size
+    if any(p > d * (k - 1) for k, p, d in zip(kernel, padding, dilation, strict=True)):
+        return (
+            "some outputs read zero padding only (padding > dilation * (kernel - 1)), "
+            "which oneDNN's int8 conv leaves as garbage or crashes on"
+        )
+    multiplied = conv.out_channels > conv.in_channels
+    if len(kernel) == 3 and groups == conv.in_channels > 1 and multiplied:
+        return "oneDNN's int8 depthwise conv3d with a channel multiplier is wrong on depth-1 inputs"
+    return None
 
 
 # torch 2.13's x86 engine hands convs with more than this many groups to fbgemm,

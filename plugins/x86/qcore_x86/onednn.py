@@ -37,7 +37,7 @@ from torch import nn
 from qcore.engine.reference import ReferenceModule, weighted_child
 from qcore.kernels.packed import PackedWeights
 from qcore.kernels.runtime import int8_products_saturate
-from qcore.kernels.weighted import QuantizedConv, conv_geometry
+from qcore.kernels.weighted import QuantizedConv, conv_geometry, onednn_conv_trouble
 from qcore.plugin.kernels import ActivationQParams, Kernel, KernelMatch
 from qcore.pt2e.fused import WeightedWithPostOps
 
@@ -224,6 +224,9 @@ class OnednnConv(_OnednnWeighted):
         self.description = (
             f"{conv.in_channels}, {conv.out_channels}, kernel_size={conv.kernel_size}"
         )
+        trouble = onednn_conv_trouble(conv)
+        if trouble is not None:
+            raise ValueError(trouble)
         if self.residual_add and self.dims != 2:
             raise ValueError("oneDNN fuses a residual add into conv2d only")
         if self.unary not in _CONV_POST_OPS[self.dims]:

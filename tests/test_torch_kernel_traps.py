@@ -1,0 +1,73 @@
+"""Geometries where torch 2.13's own int8 kernels are wrong, or fail, on this
+project's CPUs, and torch.ao's lowered models with them: qcore's lowered model
+agrees with its reference form there.
+
+- oneDNN's conv (torch's x86 engine runs it on CPUs with VNNI) where some outputs
+  read zero padding only: 200-255 steps off (FX), or uninitialised memory (PT2E:
+  -105 dB), or a crash; and its depthwise conv3d with a channel multiplier on a
+  depth-1 input: 160-230 steps off. Such convs run on qnnpack's kernel (FX) or
+  stay in reference form (PT2E).
+- qnnpack's max pool refuses a pooling of size 1 at every call.
+"""
+
+import pytest
+import torch
+from backends import backend_params
+from zoo.baseline import quantized_engine
+
+import qcore
+
+CONVS = {
+    "padding only": (torch.nn.Conv2d(16, 32, (3, 1), stride=3, padding=1), (1, 16, 8, 1)),
+    "padding only, depthwise": (
+        torch.nn.Conv2d(16, 32, (3, 1), stride=3, padding=1, groups=16),
+        (1, 16, 8, 1),
+    ),
+    "depthwise conv3d, multiplier 2": (
+        torch.nn.Conv3d(16, 32, 3, padding=1, groups=16),
+        (2, 16, 1, 6, 6),
+    ),
+}
+
+
+def _calibrated(model, shape, path, backend):
+    torch.manual_seed(1)
+    batches = [torch.randn(shape) for _ in range(3)]
+    if path == "fx":
+        prepared = qcore.prepare_fx(model, None, (batches[0],), backend=backend)
+    else:
+        exported = torch.export.export(model, (batches[0],)).module()
+        prepared = qcore.prepare_pt2e(exported, backend)
+    with torch.no_grad():
+        for batch in batches:
+            prepared(batch)
+    return prepared, batches
+
+
+@pytest.mark.parametrize("backend", backend_params(("x86", "onednn")))
+@pytest.mark.parametrize("path", ["fx", "pt2e"])
+@pytest.mark.parametrize("name", list(CONVS))
+def test_a_conv_onednn_gets_wrong_agrees_with_its_reference(name, path, backend) -> None:
+    conv, shape = CONVS[name]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(conv, torch.nn.ReLU(), torch.nn.Flatten()).eval()
+    prepared, batches = _calibrated(model, shape, path, backend)
+    if path == "fx":
+        lowered, reference = qcore.convert_fx(prepared), qcore.convert_to_reference_fx(prepared)
+    else:
+        lowered = qcore.convert_pt2e(prepared)
+        reference = qcore.convert_pt2e(prepared, lower=False)
+    with torch.no_grad():
+        for batch in batches:
+            expected = reference(batch)
+            step = expected.abs().max() / 127  # the output is quantized, or float (PT2E)
+            assert ((lowered(batch) - expected).abs().max() / step) <= 2.01, name
+
+
+@pytest.mark.parametrize("backend", backend_params(("qnnpack",)))
+def test_a_max_pool_of_size_one_runs_under_the_qnnpack_engine(backend) -> None:
+    model = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.MaxPool2d(1, 2))
+    prepared, batches = _calibrated(model.eval(), (1, 8, 8, 8), "fx", backend)
+    lowered, reference = qcore.convert_fx(prepared), qcore.convert_to_reference_fx(prepared)
+    with quantized_engine("qnnpack"):
+        assert torch.equal(lowered(batches[0]), reference(batches[0]))
