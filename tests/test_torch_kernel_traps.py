@@ -8,6 +8,7 @@ agrees with its reference form there.
   depth-1 input: 160-230 steps off. Such convs run on qnnpack's kernel (FX) or
   stay in reference form (PT2E).
 - qnnpack's max pool refuses a pooling of size 1 at every call.
+- The int8 instance norm over two values per instance, on every engine.
 """
 
 import pytest
@@ -71,3 +72,19 @@ def test_a_max_pool_of_size_one_runs_under_the_qnnpack_engine(backend) -> None:
     lowered, reference = qcore.convert_fx(prepared), qcore.convert_to_reference_fx(prepared)
     with quantized_engine("qnnpack"):
         assert torch.equal(lowered(batches[0]), reference(batches[0]))
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("spatial", [(2, 1), (1, 2), (3, 3)], ids=str)
+def test_an_instance_norm_over_two_values_agrees_with_its_reference(backend, spatial) -> None:
+    """torch 2.13's int8 instance norm was 90-255 steps off over exactly two values
+    per instance, on every engine (torch.ao's models too)."""
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(24, 24, 1), torch.nn.InstanceNorm2d(24, affine=True)
+    ).eval()
+    prepared, batches = _calibrated(model, (3, 24, *spatial), "fx", backend)
+    lowered, reference = qcore.convert_fx(prepared), qcore.convert_to_reference_fx(prepared)
+    assert qcore.explain(lowered)["_1"].status.value == "quantized"
+    step = lowered.get_submodule("1").scale
+    for batch in batches:
+        assert (lowered(batch) - reference(batch)).abs().max() / step <= 2.01
