@@ -46,9 +46,10 @@ def is_tested(kernel: Kernel) -> bool:
     return module.split(".")[0] in TESTED_PACKAGES
 
 
-def recorded(node: Any, gm: GraphModule) -> tuple[torch.Size, torch.dtype] | None:
+def recorded(node: Any, gm: GraphModule | None = None) -> tuple[torch.Size, torch.dtype] | None:
     """The (shape, dtype) prepare recorded for the value ``node`` carries, through
-    the quantize/dequantize ops around it; None where none was recorded."""
+    the quantize/dequantize ops around it; None where none was recorded (or the
+    value is a constant and no ``gm`` holding it is given)."""
     while isinstance(node, Node):
         # FX's probe records tensor_meta; torch.export records a fake tensor as val
         meta = node.meta.get("tensor_meta", node.meta.get("val"))

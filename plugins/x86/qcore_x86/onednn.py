@@ -34,6 +34,7 @@ import torch
 import torch.ao.nn.intrinsic as nni
 from torch import nn
 
+from qcore.engine.kernel_check import recorded
 from qcore.engine.reference import ReferenceModule, weighted_child
 from qcore.kernels.packed import PackedWeights
 from qcore.kernels.runtime import int8_products_saturate
@@ -109,23 +110,14 @@ def _prepared_input_shape(match: KernelMatch, conv: nn.Module) -> list[int] | No
     Packed without an input shape, oneDNN lays some weights out for a made-up one and
     reorders them at every call (a third of a small conv-add's time); packed for the
     shape the model runs at, it doesn't. Another shape at run time gives the same
-    values (the weight is reordered then). The shape is the nearest recorded one
-    (FX: ``tensor_meta``, PT2E: ``val``) up the conv's input through the
-    quantize/dequantize nodes the reference graph adds, which record none."""
-    node = match.root.args[0] if match.root.args else None
-    while hasattr(node, "meta"):
-        value = node.meta.get("tensor_meta", node.meta.get("val"))
-        if value is not None:
-            shape = getattr(value, "shape", None)
-            fits = (
-                shape is not None
-                and len(shape) == len(conv.kernel_size) + 2
-                and all(isinstance(size, int) for size in shape)  # not symbolic
-                and shape[1] == conv.in_channels
-            )
-            return list(shape) if fits else None
-        node = node.args[0] if node.args else None
-    return None
+    values (the weight is reordered then). The shape is the one recorded for the
+    conv's input (``qcore.engine.kernel_check.recorded``)."""
+    found = recorded(match.root.args[0]) if match.root.args else None
+    if found is None:
+        return None
+    shape = found[0]
+    fits = len(shape) == len(conv.kernel_size) + 2 and shape[1] == conv.in_channels
+    return list(shape) if fits else None
 
 
 def _set_weight_qparams(kernel: PackedWeights) -> None:
