@@ -43,11 +43,12 @@ from qcore.engine.custom_config import (
 from qcore.engine.custom_modules import custom_kernels, quantize_inputs_for, swap_quantized
 from qcore.engine.custom_tuples import tuple_output_qparams
 from qcore.engine.decomposed import to_decomposed
-from qcore.engine.explain import Report, report_of
+from qcore.engine.explain import Report, attach_report, report_of
 from qcore.engine.float_islands import islands_from_any_float_op
 from qcore.engine.fuse import fuse_graph
 from qcore.engine.lower import lower, make_picklable
 from qcore.engine.prepare import prepare
+from qcore.engine.reference import ReferenceModule
 from qcore.engine.scripting import keep_model_when_scripted
 from qcore.engine.standalone import convert_standalone_modules, input_qparams
 from qcore.engine.trace import copy_modes, trace
@@ -592,13 +593,9 @@ DYNAMIC_DEFAULT_TYPES: tuple = (
 )
 
 
-def _dynamic_mapping(qconfig_spec: Any, dtype: Any) -> Any:
-    """torch.ao's quantize_dynamic ``qconfig_spec`` as a QConfigMapping."""
-    from qcore.config.qconfig import (
-        QConfigMapping,
-        default_dynamic_qconfig,
-        float16_dynamic_qconfig,
-    )
+def _dynamic_spec(qconfig_spec: Any, dtype: Any) -> dict:
+    """torch.ao's quantize_dynamic ``qconfig_spec`` as a dict of QConfigs."""
+    from qcore.config.qconfig import default_dynamic_qconfig, float16_dynamic_qconfig
 
     defaults = {torch.qint8: default_dynamic_qconfig, torch.float16: float16_dynamic_qconfig}
     if dtype not in defaults:
@@ -617,8 +614,29 @@ def _dynamic_mapping(qconfig_spec: Any, dtype: Any) -> Any:
             "LSTM, GRU and the RNN cells), a set of module classes, functions or module "
             "names, or a dict mapping them to QConfigs"
         )
+    return qconfig_spec
+
+
+def _spec_inside(qconfig_spec: Any, dtype: Any, path: str) -> dict:
+    """``qconfig_spec`` as seen from the submodule at ``path`` traced as a root of its
+    own: names inside it made relative to it, and a name of it (or of a module
+    around it) selecting everything in it, as torch.ao's qconfig propagation does."""
+    spec = _dynamic_spec(qconfig_spec, dtype)
+    inside = {key: qconfig for key, qconfig in spec.items() if not isinstance(key, str)}
+    for key in sorted((k for k in spec if isinstance(k, str)), key=len):  # longest wins
+        if key in ("", path) or path.startswith(key + "."):
+            inside.update(dict.fromkeys(DYNAMIC_DEFAULT_TYPES, spec[key]))
+        elif key.startswith(path + "."):
+            inside[key[len(path) + 1 :]] = spec[key]
+    return inside
+
+
+def _dynamic_mapping(qconfig_spec: Any, dtype: Any) -> Any:
+    """torch.ao's quantize_dynamic ``qconfig_spec`` as a QConfigMapping."""
+    from qcore.config.qconfig import QConfigMapping
+
     mapping = QConfigMapping()
-    for key, qconfig in qconfig_spec.items():
+    for key, qconfig in _dynamic_spec(qconfig_spec, dtype).items():
         if isinstance(key, str):
             mapping.set_module_name(key, qconfig)
         elif callable(key):  # a module class or a function
@@ -685,10 +703,8 @@ def _dynamic_where_it_traces(
     quantize_dynamic returns is a converted graph with its explain report."""
     from qcore.engine.trace import TraceFailure
 
-    named = isinstance(qconfig_spec, (dict, set, frozenset, list, tuple)) and any(
-        isinstance(key, str) for key in qconfig_spec
-    )  # module names are the whole model's: a child's would not match them
     leaves: list[str] = []
+    quantized_inside: dict[str, list[str]] = {}
     while True:
         custom = {"non_traceable_module_name": list(leaves)} if leaves else None
         mapping = _dynamic_mapping(qconfig_spec, dtype)  # a fresh one: prepare may keep it
@@ -696,32 +712,86 @@ def _dynamic_where_it_traces(
             prepared = _prepare(model, mapping, example_inputs, backend, custom, None, False, True)
         except TraceFailure as failure:
             name = failure.module_name
-            if named or name in leaves:
+            if name in leaves:
                 raise
             if name in (None, "<root>"):  # the module's own forward does not trace
                 if top:
                     raise
+                if not any(True for _ in model.children()):  # a layer: nn.LSTM's forward
+                    return _dynamic_layer(model, backend, qconfig_spec, dtype)
                 _dynamic_children(model, backend, qconfig_spec, dtype)
                 return model
             leaves.append(name)
-            _dynamic_children(model.get_submodule(name), backend, qconfig_spec, dtype)
+            quantized_inside[name] = _dynamic_children(
+                model.get_submodule(name), backend, _spec_inside(qconfig_spec, dtype, name), dtype
+            )
             continue
-        return convert_fx(prepared)
+        return _explain_leaves(convert_fx(prepared), quantized_inside)
 
 
-def _dynamic_children(module: torch.nn.Module, backend: Any, qconfig_spec: Any, dtype) -> None:
-    """Each child of ``module`` quantized on its own (containers: their children)."""
+def _explain_leaves(converted: GraphModule, quantized_inside: dict[str, list[str]]) -> GraphModule:
+    """Say in explain which layers inside each leaf that does not trace were quantized."""
+    node_of = {n.target: n.name for n in converted.graph.find_nodes(op="call_module")}
+    reasons = {}
+    for leaf, inside in quantized_inside.items():
+        layers = f"its layers quantized on their own: {', '.join(inside)}"
+        reasons[node_of.get(leaf)] = (
+            f"does not trace: kept as a leaf, {layers if inside else 'nothing in it quantized'}"
+        )
+    report = report_of(converted)
+    if report is not None and reasons:
+        entries = [
+            dataclasses.replace(e, reason=reasons[e.node]) if e.node in reasons else e
+            for e in report.entries
+        ]
+        attach_report(converted, Report(report.backend, entries, report.algorithms))
+    return converted
+
+
+class _CallsLayer(torch.nn.Module):
+    """A traceable root around one layer: traced, the layer is a leaf call, as it
+    is inside any traced model."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: Any) -> Any:
+        return self.layer(x)
+
+
+def _dynamic_layer(layer: torch.nn.Module, backend: Any, qconfig_spec: Any, dtype) -> Any:
+    """A layer whose own forward does not trace (nn.LSTM, nn.GRUCell) as the kernel
+    it lowers to when called in a traced graph; the layer itself if none takes it."""
+    converted = _dynamic_where_it_traces(_CallsLayer(layer), None, backend, qconfig_spec, dtype)
+    (call,) = converted.graph.find_nodes(op="call_module")
+    kernel = converted.get_submodule(call.target)
+    return layer if isinstance(kernel, (type(layer), ReferenceModule)) else kernel
+
+
+def _dynamic_children(module: torch.nn.Module, backend: Any, qconfig_spec: Any, dtype) -> list[str]:
+    """Each child of ``module`` quantized on its own (containers: their children);
+    returns the names of those that were."""
+    replaced = []
     for name, child in module.named_children():
         if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
-            _dynamic_children(child, backend, qconfig_spec, dtype)
+            inside = _dynamic_children(
+                child, backend, _spec_inside(qconfig_spec, dtype, name), dtype
+            )
+            replaced += [f"{name}.{path}" for path in inside]
             continue
         with warnings.catch_warnings():
             # what stays float in a dropout or a norm is no news: the model's own
             # prepare already said which module does not trace
             warnings.simplefilter("ignore", QCoreWarning)
-            quantized = _dynamic_where_it_traces(child, None, backend, qconfig_spec, dtype)
-        if quantized is not child and any(True for _ in explain(quantized).quantized):
+            spec = _spec_inside(qconfig_spec, dtype, name)
+            quantized = _dynamic_where_it_traces(child, None, backend, spec, dtype)
+        if quantized is child:
+            continue
+        if report_of(quantized) is None or any(True for _ in explain(quantized).quantized):
             setattr(module, name, quantized)
+            replaced.append(name)
+    return replaced
 
 
 def explain(model: torch.nn.Module) -> Report:

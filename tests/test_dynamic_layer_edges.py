@@ -166,3 +166,78 @@ def test_quantize_dynamic_quantizes_the_layers_of_a_block_that_does_not_trace(ba
         with torch.no_grad(), quantized_engine(backend):
             expected, peer = model(x), theirs(x)
         assert _sqnr(expected, converted(x)) >= _sqnr(expected, peer) - 0.5
+
+
+class RecurrentInABranch(nn.Module):
+    """A data-dependent branch around a recurrent layer (a packed-sequence encoder
+    does not trace either)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * 2 if x.sum() > 0 else x
+        out = self.layer(x)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _qcore_kernels(model: nn.Module) -> dict[str, str]:
+    return {
+        name: type(m).__name__
+        for name, m in model.named_modules()
+        if type(m).__module__.startswith("qcore.kernels")
+    }
+
+
+@pytest.mark.parametrize("layer_class", [nn.LSTM, nn.GRU, nn.LSTMCell, nn.GRUCell])
+@pytest.mark.parametrize("backend", backend_params())
+def test_recurrent_layers_in_a_block_that_does_not_trace_are_quantized(layer_class, backend):
+    """An LSTM, GRU or cell in such a block stayed float (the block's Linears were
+    swapped), and explain called the block "float: no QConfig": tracing the layer
+    on its own fails in nn.LSTM's forward. torch.ao swaps it (about 41 dB)."""
+    from torch.ao.quantization import quantize_dynamic
+
+    torch.manual_seed(0)
+    model = nn.Sequential(RecurrentInABranch(layer_class(8, 16)), nn.Linear(16, 4)).eval()
+    x = torch.randn(5, 3, 8) if layer_class in (nn.LSTM, nn.GRU) else torch.randn(3, 8)
+    converted = qcore.quantize_dynamic(model, backend=backend)
+    kernel = "DynamicRNN" if layer_class in (nn.LSTM, nn.GRU) else "DynamicCell"
+    assert _qcore_kernels(converted) == {"0.layer": kernel, "1": "DynamicLinear"}
+    (entry,) = [e for e in qcore.explain(converted).entries if e.op == "RecurrentInABranch"]
+    assert (
+        entry.reason == "does not trace: kept as a leaf, its layers quantized on their own: layer"
+    )
+    with quantized_engine(backend):
+        theirs = quantize_dynamic(copy.deepcopy(model))
+    with torch.no_grad(), quantized_engine(backend):
+        expected, peer = model(x), theirs(x)
+    assert _sqnr(expected, converted(x)) >= _sqnr(expected, peer) - 0.5
+
+
+@pytest.mark.parametrize(
+    "names, swapped",
+    [
+        ({"head"}, {"head"}),
+        ({"block.fc"}, {"block.fc"}),
+        ({"block"}, {"block.fc", "block.gate", "block.layers.0", "block.layers.1"}),
+        ({"block.layers"}, {"block.layers.0", "block.layers.1"}),
+    ],
+)
+@pytest.mark.parametrize("backend", backend_params())
+def test_module_names_reach_into_a_block_that_does_not_trace(names, swapped, backend):
+    """Any module name in qconfig_spec raised TraceFailure as soon as a block did not
+    trace, advising a prepare_custom_config quantize_dynamic does not take; torch.ao
+    swaps exactly the named modules (and everything in a named block)."""
+    from torch.ao.quantization import quantize_dynamic
+
+    model = WithAnUntraceableBlock().eval()
+    with quantized_engine(backend):
+        theirs = quantize_dynamic(copy.deepcopy(model), names)
+    theirs_swapped = {
+        name for name, m in theirs.named_modules() if "quantized.dynamic" in type(m).__module__
+    }
+    assert theirs_swapped == swapped
+    converted = qcore.quantize_dynamic(model, names, backend=backend)
+    ours = {name.removesuffix(".linear_linear") for name in _qcore_kernels(converted)}
+    assert ours == swapped
