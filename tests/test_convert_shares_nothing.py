@@ -1,6 +1,7 @@
 """convert copies the prepared model sharing its observers for speed (issue 15 §5);
 the converted model must still share no module or tensor with the prepared one, so
-calibrating the prepared model again never changes a model already converted."""
+calibrating the prepared model again never changes a model already converted, and
+convert leaves the prepared model's modules in their modes."""
 
 from __future__ import annotations
 
@@ -29,7 +30,11 @@ def test_converted_model_shares_nothing_with_the_prepared_one(backend: str, name
             prepared(*batch)
     for convert in (qcore.convert_fx, qcore.convert_to_reference_fx):
         prepared_state = {k: v.clone() for k, v in prepared.state_dict().items()}
+        prepared_modes = {n: m.training for n, m in prepared.named_modules()}
         converted = convert(prepared)
+        # its observers went to eval mode (they are shared while convert reads them)
+        assert {n: m.training for n, m in prepared.named_modules()} == prepared_modes
+        assert not any(m.training for m in converted.modules())
         after_convert = prepared.state_dict()
         assert list(after_convert) == list(prepared_state)  # convert removed nothing from it
         assert all(torch.equal(after_convert[k], v) for k, v in prepared_state.items())

@@ -306,7 +306,7 @@ def _release_observers(
         if not hasattr(parent, attr):
             continue  # a name the graph calls twice, released already
         if name in called:
-            setattr(parent, attr, copy.deepcopy(prepared.get_submodule(name)))
+            setattr(parent, attr, copy.deepcopy(prepared.get_submodule(name)).eval())
         else:
             delattr(parent, attr)
 
@@ -324,7 +324,10 @@ def convert_to_reference(
     # NaN statistics are an error naming the node; skipped NaN/inf one warning
     check_observers(("", prepared, state.observer_names))
     gm = _copy_without_observers(prepared, state.observer_names)
+    shared_modes = [(o, o.training) for o in map(prepared.get_submodule, state.observer_names)]
     gm.eval()
+    for observer, training in shared_modes:  # the prepared model's own: left as they were
+        observer.train(training)
     _freeze_tensor_metadata(gm)
     _swap_reference_modules(gm, state)
     if for_lowering:

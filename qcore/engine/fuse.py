@@ -124,6 +124,9 @@ def fuse_graph(
             pattern = match.config.pattern_complex_format
             nested = _nested_modules(match.nested, pattern, modules)
             fused = match.config.fuser_method(is_qat, *nested)
+        # a fused module made new (ConvReLU2d) starts in training mode; it takes the
+        # mode of the module it replaces, and its children keep their own
+        fused.training = modules[root.target].training if root.op == "call_module" else gm.training
         _set_module(gm, root.target, fused)
         if extra_inputs:
             root.args = (*root.args, *extra_inputs)
