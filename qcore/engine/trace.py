@@ -114,7 +114,7 @@ def trace(
     gm = GraphModule(tracer.root, graph, type(model).__name__)
     copy_modes(tracer.root, gm)  # torch.fx makes the containers on a path anew
     hooked = hooked_modules(model)
-    warn_of_hooks(hooked)
+    warn_of_hooks(hooked, {node.target for node in graph.find_nodes(op="call_module")})
     probed = probe(gm, tracer.root, example_inputs) if example_inputs is not None else None
     make_traced_writes_visible(gm, probed.storages if probed else None)
     if probed is not None:
