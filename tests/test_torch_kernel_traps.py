@@ -3,8 +3,9 @@ project's CPUs, and torch.ao's lowered models with them: qcore's lowered model
 agrees with its reference form there.
 
 - oneDNN's conv (torch's x86 engine runs it on CPUs with VNNI) where some outputs
-  read zero padding only: 200-255 steps off (FX), or uninitialised memory (PT2E:
-  -105 dB), or a crash; and its depthwise conv3d with a channel multiplier on a
+  read zero padding only (a padding wider than the kernel's reach, or a dilation
+  stepping over a narrow input): 200-255 steps off (FX), or uninitialised memory
+  (PT2E: -105 dB), or a crash; and its depthwise conv3d with a channel multiplier on a
   depth-1 input: 160-230 steps off. Such convs run on qnnpack's kernel (FX) or
   stay in reference form (PT2E).
 - qnnpack's max pool refuses a pooling of size 1 at every call.
@@ -23,6 +24,14 @@ CONVS = {
     "padding only, depthwise": (
         torch.nn.Conv2d(16, 32, (3, 1), stride=3, padding=1, groups=16),
         (1, 16, 8, 1),
+    ),
+    "dilation over a narrow input": (
+        torch.nn.Conv2d(3, 4, 2, padding=1, dilation=2),
+        (2, 3, 5, 1),
+    ),
+    "dilation over a narrow input, padding 'same'": (
+        torch.nn.Conv2d(3, 3, 2, padding="same", dilation=2),
+        (2, 3, 2, 1),
     ),
     "depthwise conv3d, multiplier 2": (
         torch.nn.Conv3d(16, 32, 3, padding=1, groups=16),
@@ -62,6 +71,32 @@ def test_a_conv_onednn_gets_wrong_agrees_with_its_reference(name, path, backend)
         for batch in batches:
             expected = reference(batch)
             step = expected.abs().max() / 127  # the output is quantized, or float (PT2E)
+            assert ((lowered(batch) - expected).abs().max() / step) <= 2.01, name
+
+
+class ConvAdd(torch.nn.Module):
+    def __init__(self, conv: torch.nn.Module) -> None:
+        super().__init__()
+        self.conv, self.other = conv, torch.nn.Conv2d(conv.in_channels, conv.out_channels, 1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return torch.relu(y + self.other(x)[..., : y.shape[-2], : y.shape[-1]])
+
+
+@pytest.mark.parametrize("backend", backend_params(("onednn",)))
+@pytest.mark.parametrize("name", ["padding only", "dilation over a narrow input"])
+def test_onednns_conv_add_with_such_a_conv_agrees_with_its_reference(name, backend) -> None:
+    """The conv + add kernel (ConvAddReLU2d) did not check the conv's geometry."""
+    conv, shape = CONVS[name]
+    torch.manual_seed(0)
+    model = ConvAdd(conv).eval()
+    prepared, batches = _calibrated(model, shape, "fx", backend)
+    lowered, reference = qcore.convert_fx(prepared), qcore.convert_to_reference_fx(prepared)
+    with torch.no_grad():
+        for batch in batches:
+            expected = reference(batch)
+            step = expected.abs().max() / 127
             assert ((lowered(batch) - expected).abs().max() / step) <= 2.01, name
 
 

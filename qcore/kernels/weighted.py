@@ -16,9 +16,12 @@ same packed object.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from qcore.engine.conv_padding import explicit_padding
+from qcore.engine.kernel_check import recorded
 from qcore.engine.reference import ReferenceModule, weighted_child
 from qcore.kernels.packed import PackedWeights
 from qcore.kernels.runtime import EXACT_ENGINE
@@ -166,7 +169,9 @@ class QuantizedConv(PackedWeights):
     def lower(cls, match: KernelMatch, relu: bool = False):
         reference = _reference(match)
         engine = _conv_engine(reference, match)
-        trouble = onednn_conv_trouble(weighted_child(reference.module))
+        conv = weighted_child(reference.module)
+        found = recorded(match.root.args[0]) if match.root.args else None
+        trouble = onednn_conv_trouble(conv, found[0] if found else None)
         if engine not in ("x86", "onednn") or trouble is None:
             return cls(reference, match.output, relu, engine)
         kernel = cls(reference, match.output, relu, EXACT_ENGINE)
@@ -174,22 +179,46 @@ class QuantizedConv(PackedWeights):
         return kernel
 
 
-def onednn_conv_trouble(conv: torch.nn.Module) -> str | None:
+def onednn_conv_trouble(
+    conv: torch.nn.Module, input_shape: Sequence[int] | None = None
+) -> str | None:
     """Why torch 2.13's oneDNN int8 conv (which its x86 engine also runs on CPUs with
-    VNNI) cannot be trusted with ``conv``'s geometry, or None. Both cases are 120-255
-    steps off the reference on an AVX512-VNNI CPU, as in torch.ao's models; no CPU
-    check is made, so the rule holds wherever qcore runs."""
-    _, padding, dilation, groups = conv_geometry(conv)
+    VNNI) cannot be trusted with ``conv``'s geometry on an input of ``input_shape``
+    (the one prepare recorded, if any), or None. Each case is 120-255 steps off the
+    reference (or uninitialised memory) on an AVX512-VNNI CPU, as in torch.ao's
+    models; no CPU check is made, so the rule holds wherever qcore runs."""
+    stride, padding, dilation, groups = conv_geometry(conv)
     kernel = conv.kernel_size
     if any(p > d * (k - 1) for k, p, d in zip(kernel, padding, dilation, strict=True)):
         return (
             "some outputs read zero padding only (padding > dilation * (kernel - 1)), "
             "which oneDNN's int8 conv leaves as garbage or crashes on"
         )
+    sizes = list(input_shape or [])[-len(kernel) :] if input_shape else []
+    for size, k, s, p, d in zip(sizes, kernel, stride, padding, dilation, strict=False):
+        if _taps_skip_the_input(size, k, s, p, d):
+            return (
+                f"on the recorded input size {size}, dilation {d} steps over the whole "
+                "input: some outputs read zero padding only, which oneDNN's int8 conv "
+                "leaves as garbage"
+            )
     multiplied = conv.out_channels > conv.in_channels
     if len(kernel) == 3 and groups == conv.in_channels > 1 and multiplied:
         return "oneDNN's int8 depthwise conv3d with a channel multiplier is wrong on depth-1 inputs"
     return None
+
+
+def _taps_skip_the_input(size: int, kernel: int, stride: int, padding: int, dilation: int) -> bool:
+    """Whether some output position's taps (``o * stride - padding + j * dilation``)
+    all miss ``[0, size)``: with padding <= dilation * (kernel - 1), only possible
+    when the dilation steps over the whole input (size < dilation)."""
+    if size <= 0 or size >= dilation:
+        return False
+    outputs = (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+    return any(
+        all(not 0 <= o * stride - padding + j * dilation < size for j in range(kernel))
+        for o in range(max(outputs, 0))
+    )
 
 
 # torch 2.13's x86 engine hands convs with more than this many groups to fbgemm,

@@ -216,7 +216,7 @@ class OnednnConv(_OnednnWeighted):
         self.description = (
             f"{conv.in_channels}, {conv.out_channels}, kernel_size={conv.kernel_size}"
         )
-        trouble = onednn_conv_trouble(conv)
+        trouble = onednn_conv_trouble(conv, self.packed_for_shape)
         if trouble is not None:
             raise ValueError(trouble)
         if self.residual_add and self.dims != 2:
@@ -318,7 +318,11 @@ class OnednnPackedConvAdd(QuantizedConv):
         self._x = (match.inputs[0].scale, match.inputs[0].zero_point)
         self.residual_add, self.unary = True, "relu" if relu else "none"
         self.unary_scalars, self.unary_algorithm = [], ""
-        self.packed_for_shape = _prepared_input_shape(match, weighted_child(reference.module))
+        conv = weighted_child(reference.module)
+        self.packed_for_shape = _prepared_input_shape(match, conv)
+        trouble = onednn_conv_trouble(conv, self.packed_for_shape)
+        if trouble is not None:
+            raise ValueError(trouble)
         super().__init__(reference, match.output, relu, "onednn")
         self.residual_used_elsewhere = _residual_used_elsewhere(match.root)
 
