@@ -43,7 +43,7 @@ from qcore.engine.custom_config import (
 from qcore.engine.custom_modules import custom_kernels, quantize_inputs_for, swap_quantized
 from qcore.engine.custom_tuples import tuple_output_qparams
 from qcore.engine.decomposed import to_decomposed
-from qcore.engine.explain import Report, attach_report, report_of
+from qcore.engine.explain import Entry, Report, Status, attach_report, report_of
 from qcore.engine.float_islands import islands_from_any_float_op
 from qcore.engine.fuse import fuse_graph
 from qcore.engine.lower import lower, make_picklable
@@ -656,7 +656,7 @@ def quantize_dynamic(
     *,
     backend: Any = None,
     example_inputs: tuple | None = None,
-) -> GraphModule:
+) -> torch.nn.Module:
     """Dynamic quantization in one call: int8 (or float16) weights, activations
     quantized on the fly per batch, no calibration data. ``model`` is not modified.
 
@@ -670,7 +670,9 @@ def quantize_dynamic(
     to learn which values are tensors; else that is read off the graph. A submodule
     torch.fx cannot trace (transformers' embeddings) stays a leaf, and its own
     layers are quantized each on its own, as torch.ao's module swapping quantizes
-    them (explain lists the leaf; ``print(model)`` shows its kernels).
+    them (explain lists the leaf; ``print(model)`` shows its kernels). A model whose
+    own forward does not trace (it packs sequences) is returned as a copy of itself
+    with its layers swapped so; one that does, as a converted GraphModule.
 
     Example::
 
@@ -699,8 +701,8 @@ def _dynamic_where_it_traces(
     cannot trace is kept as a leaf and its own children are quantized each on its
     own, as torch.ao's module swapping quantizes every layer whatever its parent's
     code. Dynamic quantization needs no graph around a layer: each layer's kernel
-    quantizes its input itself. The user's model itself must trace (``top``): what
-    quantize_dynamic returns is a converted graph with its explain report."""
+    quantizes its input itself. Where the user's model itself does not trace
+    (``top``), it is returned as it is, its layers swapped, with a report saying so."""
     from qcore.engine.trace import TraceFailure
 
     leaves: list[str] = []
@@ -715,12 +717,15 @@ def _dynamic_where_it_traces(
             if name in leaves:
                 raise
             if name in (None, "<root>"):  # the module's own forward does not trace
-                if top:
-                    raise
                 if not any(True for _ in model.children()):  # a layer: nn.LSTM's forward
-                    return _dynamic_layer(model, backend, qconfig_spec, dtype)
-                _dynamic_children(model, backend, qconfig_spec, dtype)
-                return model
+                    quantized = _dynamic_layer(model, backend, qconfig_spec, dtype)
+                    inside = [] if quantized is model else [""]
+                else:
+                    quantized = model
+                    inside = _dynamic_children(model, backend, qconfig_spec, dtype)
+                if top:  # the user's model: explain says what became of it
+                    _explain_untraced(model, quantized, backend, inside, failure)
+                return quantized
             leaves.append(name)
             quantized_inside[name] = _dynamic_children(
                 model.get_submodule(name), backend, _spec_inside(qconfig_spec, dtype, name), dtype
@@ -746,6 +751,28 @@ def _explain_leaves(converted: GraphModule, quantized_inside: dict[str, list[str
         ]
         attach_report(converted, Report(report.backend, entries, report.algorithms))
     return converted
+
+
+def _explain_untraced(
+    model: torch.nn.Module,
+    quantized: torch.nn.Module,
+    backend: Any,
+    quantized_inside: list[str],
+    failure: Exception,
+) -> None:
+    """The report of a model whose own forward does not trace, quantized layer by
+    layer (or swapped whole, a bare nn.LSTM), as torch.ao's module swapping does."""
+    error = failure.__cause__ or failure  # not TraceFailure's advice, which is prepare_fx's
+    op, cause = (
+        type(model).__name__,
+        f"its forward does not trace ({type(error).__name__}: {error})",
+    )
+    if quantized_inside == [""]:
+        entry = Entry("", op, Status.QUANTIZED, f"swapped as a layer: {cause}")
+    else:
+        layers = ", ".join(quantized_inside) or "none"
+        entry = Entry("", op, Status.FLOAT, f"its layers quantized on their own: {layers}; {cause}")
+    attach_report(quantized, Report(resolve_backend(backend, None)[0], [entry]))
 
 
 class _CallsLayer(torch.nn.Module):

@@ -555,8 +555,16 @@ class _Encoder:
             )
         entry = self._structure(module, state, where)
         entry.update({"kind": "module", "class": cls})
-        entry["attributes"] = self._attributes(state, _MODULE_INTERNALS, where)
+        # a report on a plain module: the user's model quantize_dynamic swapped layers in
+        entry["attributes"] = self._attributes(state, _MODULE_INTERNALS | {"_qcore_report"}, where)
+        entry["report"] = self._report(module, where)
         return entry
+
+    def _report(self, module: torch.nn.Module, where: str) -> Any:
+        from qcore.engine.explain import report_of
+
+        report = report_of(module)
+        return None if report is None else self.value(report, f"{where}.report")
 
     def _structure(self, module: torch.nn.Module, state: dict, where: str) -> dict:
         for hooks in _HOOKS:
@@ -593,12 +601,10 @@ class _Encoder:
         }
 
     def graph_module(self, gm: GraphModule, where: str) -> dict:
-        from qcore.engine.explain import report_of
         from qcore.pt2e.graph import _refuse_train
 
         state = dict(gm.__dict__)
         entry = self._structure(gm, state, where)
-        report = report_of(gm)
         tracer = state.get("_tracer_cls")
         entry.update(
             {
@@ -608,7 +614,7 @@ class _Encoder:
                 "attributes": self._attributes(
                     state, _MODULE_INTERNALS | _GRAPH_MODULE_INTERNALS, where
                 ),
-                "report": None if report is None else self.value(report, f"{where}.report"),
+                "report": self._report(gm, where),
                 "tracer": None if tracer is None else self.value(tracer, f"{where}._tracer_cls"),
                 "refuse_train_eval": type(gm).train is _refuse_train,
             }
@@ -896,6 +902,7 @@ class _Decoder:
                 f"{where}: rebuilding {cls.__qualname__} from the file's state failed: "
                 f"{type(error).__name__}: {error}"
             ) from error
+        self._attach_report(module, data, where)
         return module
 
     def _structure(self, data: dict, where: str) -> dict:
@@ -968,7 +975,6 @@ class _Decoder:
         return decoded
 
     def graph_module(self, data: dict, where: str) -> GraphModule:
-        from qcore.engine.explain import Report, attach_report
         from qcore.engine.scripting import keep_model_when_scripted
         from qcore.pt2e.graph import refuse_train_eval
 
@@ -988,14 +994,19 @@ class _Decoder:
             raise RefusedFileError(
                 f"{where}: the graph does not compile: {type(error).__name__}: {error}"
             ) from error
+        self._attach_report(gm, data, where)
+        if data.get("refuse_train_eval") is True:
+            refuse_train_eval(gm)
+        return keep_model_when_scripted(gm)  # as convert left it (engine/scripting.py)
+
+    def _attach_report(self, module: torch.nn.Module, data: dict, where: str) -> None:
+        from qcore.engine.explain import Report, attach_report
+
         report = data.get("report")
         if report is not None:
             decoded = self.value(report, where)
             _expect(isinstance(decoded, Report), where, "a report", report)
-            attach_report(gm, decoded)
-        if data.get("refuse_train_eval") is True:
-            refuse_train_eval(gm)
-        return keep_model_when_scripted(gm)  # as convert left it (engine/scripting.py)
+            attach_report(module, decoded)
 
     def graph(self, data: Any, owner: GraphModule, where: str) -> Graph:
         _expect(

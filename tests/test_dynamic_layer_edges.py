@@ -241,3 +241,56 @@ def test_module_names_reach_into_a_block_that_does_not_trace(names, swapped, bac
     converted = qcore.quantize_dynamic(model, names, backend=backend)
     ours = {name.removesuffix(".linear_linear") for name in _qcore_kernels(converted)}
     assert ours == swapped
+
+
+class PacksItsInput(nn.Module):
+    """Packs padded sequences in its own forward: torch.fx cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn, self.fc = nn.LSTM(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False)
+        output, _ = self.rnn(packed)
+        return self.fc(nn.utils.rnn.pad_packed_sequence(output)[0])
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_model_whose_own_forward_does_not_trace_gets_its_layers_swapped(backend, tmp_path):
+    """It raised "symbolic tracing failed: TypeError: `__cuda_array_interface__` must
+    be a dict", naming no module; torch.ao's quantize_dynamic swaps its layers."""
+    from torch.ao.quantization import quantize_dynamic
+
+    model = PacksItsInput().eval()
+    x, lengths = torch.randn(6, 3, 8), torch.tensor([2, 6, 4])
+    converted = qcore.quantize_dynamic(model, backend=backend)
+    assert type(converted) is PacksItsInput and type(model.rnn) is nn.LSTM  # a copy
+    assert {n: type(m).__name__ for n, m in converted.named_children()} == {
+        "rnn": "DynamicRNN",
+        "fc": "GraphModule",
+    }
+    (entry,) = qcore.explain(converted).entries
+    assert entry.reason.startswith("its layers quantized on their own: rnn, fc; its forward")
+    with quantized_engine(backend):
+        theirs = quantize_dynamic(copy.deepcopy(model))
+    with torch.no_grad(), quantized_engine(backend):
+        expected, peer = model(x, lengths), theirs(x, lengths)
+    assert _sqnr(expected, converted(x, lengths)) >= _sqnr(expected, peer) - 0.5
+
+    qcore.save(converted, tmp_path / "model.qcore", allow=[PacksItsInput])
+    loaded = qcore.load(tmp_path / "model.qcore", allow=[PacksItsInput])
+    assert torch.equal(loaded(x, lengths), converted(x, lengths))
+    assert qcore.explain(loaded).entries == [entry]
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_bare_lstm_is_swapped_as_torch_ao_swaps_it(backend):
+    torch.manual_seed(0)
+    lstm = nn.LSTM(8, 16)
+    converted = qcore.quantize_dynamic(lstm, backend=backend)
+    assert type(converted).__name__ == "DynamicRNN"
+    assert [e.status.value for e in qcore.explain(converted).entries] == ["quantized"]
+    x = torch.randn(5, 3, 8)
+    assert _sqnr(lstm(x)[0], converted(x)[0]) > 30
