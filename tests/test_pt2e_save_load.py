@@ -111,6 +111,43 @@ def test_input_guard_names_the_input_and_the_exported_size(reload):
         model(torch.randn(4, 2, 16))
 
 
+class NormFirst(TwoLinears):
+    """Its first op is float (a layer norm), so the first quantize op is inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x):
+        return super().forward(self.norm(x))
+
+
+@pytest.mark.parametrize("reload", [False, True], ids=["converted", "loaded"])
+@pytest.mark.parametrize("lower", [False, True], ids=["reference", "lowered"])
+@pytest.mark.parametrize("model_class", [TwoLinears, NormFirst])
+def test_input_guard_names_the_dtype_the_model_was_exported_for(model_class, lower, reload):
+    """A float64 input met a quantize op first: "Expecting input to have dtype
+    torch.float32" (reference) or "Quantize only works on Float Tensor, got Double"
+    (lowered), naming neither the input nor a fix; float16 after a layer norm failed
+    lowered and ran in reference form."""
+    if lower and not installed("x86"):
+        pytest.skip("needs the x86 plugin")
+    torch.manual_seed(0)
+    exported = torch.export.export(model_class().eval(), (torch.randn(4, 16),)).module()
+    prepared = qcore.prepare_pt2e(exported, "x86" if lower else OwnQuantizer())
+    prepared(torch.randn(4, 16))
+    converted = qcore.convert_pt2e(prepared, lower=lower)
+    for model in (prepared, _save_and_load(converted) if reload else converted):
+        for dtype in (torch.float64, torch.float16, torch.bfloat16):
+            with pytest.raises(
+                AssertionError,
+                match=rf"input 'x' is {dtype}; the model was exported for torch.float32 "
+                r"\(cast it with .to\(torch.float32\)\)",
+            ):
+                model(torch.randn(4, 16).to(dtype))
+        assert model(torch.randn(4, 16)).shape == (4, 8)
+
+
 def test_prepare_leaves_the_users_exported_guard_alone():
     exported = torch.export.export(TwoLinears().eval(), (torch.randn(4, 16),)).module()
     prepared = qcore.prepare_pt2e(exported, OwnQuantizer())

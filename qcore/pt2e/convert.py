@@ -35,7 +35,7 @@ from qcore.engine.reference import QParams, qparams_of
 from qcore.engine.scripting import keep_model_when_scripted
 from qcore.observers.nonfinite import check_observers
 from qcore.pt2e.graph import refuse_train_eval
-from qcore.pt2e.guard import ExportedCodeTracer
+from qcore.pt2e.guard import ExportedCodeTracer, run_guard_first
 from qcore.pt2e.patterns import packet
 from qcore.pt2e.prepare import (
     PT2E_STATE_KEY,
@@ -211,6 +211,7 @@ def convert_reference(
     gm = quiet_deepcopy(prepared, memo)
     _switch_to_eval(gm)
     _convert_graph(gm, state, decomposed=decomposed, fold=fold_quantize)
+    run_guard_first(gm)
     # A converted model is done with the kernels (engine functions, which do
     # not pickle): torch.save takes it whole.
     del gm.meta[PT2E_STATE_KEY]

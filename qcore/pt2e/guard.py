@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-__all__ = ["ExportedCodeTracer", "InputShapeGuard", "replace_export_guard"]
+__all__ = ["ExportedCodeTracer", "InputShapeGuard", "replace_export_guard", "run_guard_first"]
 
 # One entry per dimension: its size if static, else the name of its symbol.
 DimSpec = int | str
@@ -34,6 +34,7 @@ class InputShapeGuard(torch.nn.Module):
         names: tuple[str, ...],
         shapes: tuple[tuple[DimSpec, ...] | None, ...],
         ranges: dict[str, tuple[int, int | None]] | None = None,
+        dtypes: dict[str, torch.dtype] | None = None,
     ):
         super().__init__()
         self.names = names
@@ -41,12 +42,17 @@ class InputShapeGuard(torch.nn.Module):
         self.ranges = dict(ranges or {})
         """A dynamic dimension's (min, max) where export bounds it: ``Dim("batch",
         max=8)``, or a branch on the size the graph took (``if x.shape[0] <= 8``)."""
+        self.dtypes = dict(dtypes or {})
+        """The dtype of each floating-point input. The graph was specialised to it,
+        and the quantize op met first in the converted graph takes no other (its own
+        error names neither the input nor the dtype)."""
 
     def forward(self, *inputs: object) -> None:
         symbols: dict[str, tuple[str, int]] = {}
         for name, shape, value in zip(self.names, self.shapes, inputs, strict=False):
             if shape is None or not isinstance(value, torch.Tensor):
                 continue
+            self._check_dtype(name, value)
             torch._assert(
                 value.dim() == len(shape),
                 f"input {name!r} has {value.dim()} dimensions; the model was exported "
@@ -71,6 +77,14 @@ class InputShapeGuard(torch.nn.Module):
                     symbols[expected] = (f"{name!r} dimension {dim}", size)
                     self._check_range(name, dim, size, expected)
 
+    def _check_dtype(self, name: str, value: torch.Tensor) -> None:
+        expected = getattr(self, "dtypes", {}).get(name)  # older pickles: none
+        if expected is not None and value.dtype != expected:
+            raise AssertionError(
+                f"input {name!r} is {value.dtype}; the model was exported for {expected} "
+                f"(cast it with .to({expected}))"
+            )
+
     def _check_range(self, name: str, dim: int, size: int, symbol: str) -> None:
         low, high = getattr(self, "ranges", {}).get(symbol, (0, None))  # older pickles: none
         torch._assert(
@@ -84,7 +98,9 @@ class InputShapeGuard(torch.nn.Module):
             f"{n}: {list(s) if s else s}" for n, s in zip(self.names, self.shapes, strict=True)
         )
         ranges = getattr(self, "ranges", {})
-        return f"{shapes}, ranges: {ranges}" if ranges else shapes
+        dtypes = getattr(self, "dtypes", {})
+        shapes = f"{shapes}, ranges: {ranges}" if ranges else shapes
+        return f"{shapes}, dtypes: {dtypes}" if dtypes else shapes
 
 
 def _shape_of(node: Node) -> tuple[DimSpec, ...] | None:
@@ -125,6 +141,13 @@ def _ranges_of(node: Node) -> dict[str, tuple[int, int | None]]:
         if low or high is not None:
             found[str(expr)] = (low, high)
     return found
+
+
+def _dtype_of(node: Node) -> torch.dtype | None:
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.dtype
+    return None  # integer inputs (token ids) take other widths, as export's graph does
 
 
 def _holds_proxy(value: object) -> bool:
@@ -173,10 +196,21 @@ def replace_export_guard(gm: GraphModule) -> None:
     for node in gm.graph.find_nodes(op="call_module", target="_guards_fn"):
         guarded = [arg for arg in node.args if isinstance(arg, Node)]
         gm._guards_fn = InputShapeGuard(
-            tuple(arg.name for arg in guarded),
+            tuple(str(arg.target) for arg in guarded),  # the user's argument names
             tuple(_shape_of(arg) for arg in guarded),
             {symbol: bounds for arg in guarded for symbol, bounds in _ranges_of(arg).items()},
+            {str(arg.target): _dtype_of(arg) for arg in guarded if _dtype_of(arg) is not None},
         )
+    run_guard_first(gm)
     gm.graph._tracer_cls = ExportedCodeTracer  # deep copies take the graph's
     gm._tracer_cls = ExportedCodeTracer
     gm.recompile()
+
+
+def run_guard_first(gm: GraphModule) -> None:
+    """Move ``gm``'s input guard before everything its inputs feed (observers, and
+    the quantize ops convert puts in their place), so bad inputs meet it first."""
+    for node in gm.graph.find_nodes(op="call_module", target="_guards_fn"):
+        *_, last_input = gm.graph.find_nodes(op="placeholder")
+        last_input.append(node)
+        gm.recompile()
