@@ -35,6 +35,18 @@ _cat = torch.ops.quantized.cat
 _matmul = torch.ops.quantized.matmul
 
 
+def _broadcast_first(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The operands of an add or mul (both commute) with the one already of the
+    output's shape first: torch's kernels make the output in the first one's shape
+    and resize it, printing a warning at every call. Expanded where neither is."""
+    if b.dim() >= a.dim() and b.shape == torch.broadcast_shapes(a.shape, b.shape):
+        return b, a
+    if a.shape == torch.broadcast_shapes(a.shape, b.shape):
+        return a, b
+    expanded = torch.broadcast_tensors(a, b)
+    return expanded[0], expanded[1]
+
+
 def _qnnpack_adds(ratio: float) -> bool:
     """Whether qnnpack's add accepts this input-to-output scale ratio: [2**-14, 2**8)."""
     return 2.0**-14 <= ratio < 2.0**8
@@ -57,6 +69,8 @@ class QuantizedBinary(OutputKernel):
 
     def forward(self, a: torch.Tensor, b: torch.Tensor, out: Any = None) -> torch.Tensor:
         op = self.op_name
+        if a.shape != b.shape:
+            a, b = _broadcast_first(a, b)
         if op in ("add", "add_relu") and not (
             _qnnpack_adds(a.q_scale() / self.scale) and _qnnpack_adds(b.q_scale() / self.scale)
         ):
