@@ -9,6 +9,7 @@ attribute annotations as types, not strings.
 """
 
 import torch
+import torch.nn.functional as F
 
 __all__ = [
     "SCRIPTED_CONV",
@@ -19,7 +20,73 @@ __all__ = [
     "ScriptedConvTranspose1d",
     "ScriptedConvTranspose2d",
     "ScriptedConvTranspose3d",
+    "conv_reference",
+    "may_read_padding_only",
+    "reads_padding_only",
 ]
+
+
+def reads_padding_only(
+    sizes: list[int], kernel: list[int], stride: list[int], padding: list[int], dilation: list[int]
+) -> bool:
+    """Whether some output of a conv over an input of ``sizes`` (its last dims are
+    the spatial ones) has every tap (``o * stride - padding + j * dilation``) in the
+    zero padding. Where padding <= dilation * (kernel - 1) that takes a dilation
+    stepping over the whole input (size < dilation), so most calls check one
+    comparison per dimension."""
+    spatial = len(kernel)
+    for i in range(spatial):
+        size, d = sizes[len(sizes) - spatial + i], dilation[i]
+        if size <= 0 or (size >= d and padding[i] <= d * (kernel[i] - 1)):
+            continue
+        outputs = (size + 2 * padding[i] - d * (kernel[i] - 1) - 1) // stride[i] + 1
+        for o in range(max(outputs, 0)):
+            reached = False
+            for j in range(kernel[i]):
+                tap = o * stride[i] - padding[i] + j * d
+                if 0 <= tap < size:
+                    reached = True
+                    break
+            if not reached:
+                return True
+    return False
+
+
+def may_read_padding_only(kernel: list[int], padding: list[int], dilation: list[int]) -> bool:
+    """Whether :func:`reads_padding_only` can hold on some input: spares the check
+    per call of every undilated conv."""
+    for i in range(len(kernel)):  # TorchScript: no zip(strict=)
+        if dilation[i] > 1 or padding[i] > dilation[i] * (kernel[i] - 1):
+            return True
+    return False
+
+
+def conv_reference(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    groups: int,
+    relu: bool,
+    scale: float,
+    zero_point: int,
+) -> torch.Tensor:
+    """The int8 conv's values computed as its reference form does (float math on the
+    dequantized input and weight, quantized at the output's qparams): for the
+    geometries torch's oneDNN conv gets wrong."""
+    inputs, weight = x.dequantize(), qweight.dequantize()
+    if len(stride) == 1:
+        y = F.conv1d(inputs, weight, bias, stride, padding, dilation, groups)
+    elif len(stride) == 2:
+        y = F.conv2d(inputs, weight, bias, stride, padding, dilation, groups)
+    else:
+        y = F.conv3d(inputs, weight, bias, stride, padding, dilation, groups)
+    if relu:
+        y = torch.relu(y)
+    return torch.quantize_per_tensor(y, scale, zero_point, x.dtype)
+
 
 # int8 weight, bias, stride, padding, output padding, dilation, groups, output scale
 # and zero point, relu, training
@@ -51,6 +118,9 @@ class _Scripted(torch.nn.Module):
         self.dilation, self.groups = list(kernel.dilation), int(kernel.groups)
         self.scale, self.zero_point = float(kernel.scale), int(kernel.zero_point)
         self.relu = bool(getattr(kernel, "relu", False))
+        self.checks_padding = may_read_padding_only(
+            list(self.qweight.shape[2:]), self.padding, self.dilation
+        )
 
     @torch.jit.export
     def __getstate__(self) -> _ConvState:
@@ -67,7 +137,22 @@ class _Scripted(torch.nn.Module):
         self.scale, self.zero_point, self.relu, self.training = (
             state[7], state[8], state[9], state[10],
         )  # fmt: skip
+        self.checks_padding = may_read_padding_only(
+            list(self.qweight.shape[2:]), self.padding, self.dilation
+        )
         self._packed = self._pack()
+
+    def _reads_padding_only(self, x: torch.Tensor) -> bool:
+        if not self.checks_padding:
+            return False
+        kernel = list(self.qweight.shape[2:])
+        return reads_padding_only(list(x.shape), kernel, self.stride, self.padding, self.dilation)
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
+        return conv_reference(
+            x, self.qweight, self.bias, self.stride, self.padding, self.dilation, self.groups,
+            self.relu, self.scale, self.zero_point,
+        )  # fmt: skip
 
 
 class ScriptedConv1d(_Scripted):
@@ -77,6 +162,8 @@ class ScriptedConv1d(_Scripted):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._reads_padding_only(x):
+            return self._reference(x)
         if self.relu:
             return torch.ops.quantized.conv1d_relu(x, self._packed, self.scale, self.zero_point)
         return torch.ops.quantized.conv1d(x, self._packed, self.scale, self.zero_point)
@@ -89,6 +176,8 @@ class ScriptedConv2d(_Scripted):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._reads_padding_only(x):
+            return self._reference(x)
         if self.relu:
             return torch.ops.quantized.conv2d_relu(x, self._packed, self.scale, self.zero_point)
         return torch.ops.quantized.conv2d(x, self._packed, self.scale, self.zero_point)
@@ -101,6 +190,8 @@ class ScriptedConv3d(_Scripted):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._reads_padding_only(x):
+            return self._reference(x)
         if self.relu:
             return torch.ops.quantized.conv3d_relu(x, self._packed, self.scale, self.zero_point)
         return torch.ops.quantized.conv3d(x, self._packed, self.scale, self.zero_point)

@@ -25,7 +25,13 @@ from qcore.engine.kernel_check import recorded
 from qcore.engine.reference import ReferenceModule, weighted_child
 from qcore.kernels.packed import PackedWeights
 from qcore.kernels.runtime import EXACT_ENGINE
-from qcore.kernels.scripted import SCRIPTED_CONV, SCRIPTED_CONV_TRANSPOSE
+from qcore.kernels.scripted import (
+    SCRIPTED_CONV,
+    SCRIPTED_CONV_TRANSPOSE,
+    conv_reference,
+    may_read_padding_only,
+    reads_padding_only,
+)
 from qcore.plugin.kernels import ActivationQParams, KernelMatch
 
 __all__ = [
@@ -144,6 +150,15 @@ class QuantizedConv(PackedWeights):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed, scale, zero_point = self._packed, self.scale, self.zero_point
+        kernel = list(self.weight_int.shape[2:])
+        if may_read_padding_only(kernel, self.padding, self.dilation) and reads_padding_only(
+            list(x.shape), kernel, self.stride, self.padding, self.dilation
+        ):
+            # oneDNN leaves such outputs as garbage (engine x86 or onednn)
+            return conv_reference(
+                x, self.qweight(), self.bias, self.stride, self.padding, self.dilation,
+                self.groups, self.relu, scale, zero_point,
+            )  # fmt: skip
         if self.dims == 2:
             if self.relu:
                 return _conv2d_relu(x, packed, scale, zero_point)
@@ -171,12 +186,42 @@ class QuantizedConv(PackedWeights):
         engine = _conv_engine(reference, match)
         conv = weighted_child(reference.module)
         found = recorded(match.root.args[0]) if match.root.args else None
-        trouble = onednn_conv_trouble(conv, found[0] if found else None)
+        shape = found[0] if found else None
+        trouble = onednn_conv_trouble(conv, shape)
         if engine not in ("x86", "onednn") or trouble is None:
             return cls(reference, match.output, relu, engine)
+        if padding_only_trouble(conv, shape) is not None:  # forward checks every call's size
+            kernel = cls(reference, match.output, relu, engine)
+            kernel.lowering_note = f"computes as the reference does where {trouble}"
+            return kernel
         kernel = cls(reference, match.output, relu, EXACT_ENGINE)
         kernel.lowering_note = f"runs on {EXACT_ENGINE}'s kernel: {trouble}"
         return kernel
+
+
+def padding_only_trouble(
+    conv: torch.nn.Module, input_shape: Sequence[int] | None = None
+) -> str | None:
+    """Why some outputs of ``conv`` read zero padding only (on any input, or on one
+    of ``input_shape``), which torch 2.13's oneDNN int8 conv leaves as garbage or
+    crashes on; or None."""
+    stride, padding, dilation, _ = conv_geometry(conv)
+    kernel = list(conv.kernel_size)
+    if any(p > d * (k - 1) for k, p, d in zip(kernel, padding, dilation, strict=True)):
+        return (
+            "some outputs read zero padding only (padding > dilation * (kernel - 1)), "
+            "which oneDNN's int8 conv leaves as garbage or crashes on"
+        )
+    sizes = list(input_shape or [])
+    if len(sizes) >= len(kernel) and reads_padding_only(
+        sizes, kernel, list(stride), list(padding), list(dilation)
+    ):
+        return (
+            f"on the recorded input size {sizes[-len(kernel) :]}, the dilation steps over "
+            "the whole input: some outputs read zero padding only, which oneDNN's int8 conv "
+            "leaves as garbage"
+        )
+    return None
 
 
 def onednn_conv_trouble(
@@ -187,38 +232,14 @@ def onednn_conv_trouble(
     (the one prepare recorded, if any), or None. Each case is 120-255 steps off the
     reference (or uninitialised memory) on an AVX512-VNNI CPU, as in torch.ao's
     models; no CPU check is made, so the rule holds wherever qcore runs."""
-    stride, padding, dilation, groups = conv_geometry(conv)
-    kernel = conv.kernel_size
-    if any(p > d * (k - 1) for k, p, d in zip(kernel, padding, dilation, strict=True)):
-        return (
-            "some outputs read zero padding only (padding > dilation * (kernel - 1)), "
-            "which oneDNN's int8 conv leaves as garbage or crashes on"
-        )
-    sizes = list(input_shape or [])[-len(kernel) :] if input_shape else []
-    for size, k, s, p, d in zip(sizes, kernel, stride, padding, dilation, strict=False):
-        if _taps_skip_the_input(size, k, s, p, d):
-            return (
-                f"on the recorded input size {size}, dilation {d} steps over the whole "
-                "input: some outputs read zero padding only, which oneDNN's int8 conv "
-                "leaves as garbage"
-            )
+    trouble = padding_only_trouble(conv, input_shape)
+    if trouble is not None:
+        return trouble
+    _, _, _, groups = conv_geometry(conv)
     multiplied = conv.out_channels > conv.in_channels
-    if len(kernel) == 3 and groups == conv.in_channels > 1 and multiplied:
+    if len(conv.kernel_size) == 3 and groups == conv.in_channels > 1 and multiplied:
         return "oneDNN's int8 depthwise conv3d with a channel multiplier is wrong on depth-1 inputs"
     return None
-
-
-def _taps_skip_the_input(size: int, kernel: int, stride: int, padding: int, dilation: int) -> bool:
-    """Whether some output position's taps (``o * stride - padding + j * dilation``)
-    all miss ``[0, size)``: with padding <= dilation * (kernel - 1), only possible
-    when the dilation steps over the whole input (size < dilation)."""
-    if size <= 0 or size >= dilation:
-        return False
-    outputs = (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
-    return any(
-        all(not 0 <= o * stride - padding + j * dilation < size for j in range(kernel))
-        for o in range(max(outputs, 0))
-    )
 
 
 # torch 2.13's x86 engine hands convs with more than this many groups to fbgemm,
@@ -276,6 +297,15 @@ class QuantizedConvTranspose(PackedWeights):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed, scale, zero_point = self._packed, self.scale, self.zero_point
+        kernel = list(self.weight_int.shape[2:])
+        if may_read_padding_only(kernel, self.padding, self.dilation) and reads_padding_only(
+            list(x.shape), kernel, self.stride, self.padding, self.dilation
+        ):
+            # oneDNN leaves such outputs as garbage (engine x86 or onednn)
+            return conv_reference(
+                x, self.qweight(), self.bias, self.stride, self.padding, self.dilation,
+                self.groups, self.relu, scale, zero_point,
+            )  # fmt: skip
         if self.dims == 2:
             return _conv_transpose2d(x, packed, scale, zero_point)
         if self.dims == 1:
