@@ -156,3 +156,18 @@ def test_an_instance_norm_over_two_values_agrees_with_its_reference(backend, spa
     step = lowered.get_submodule("1").scale
     for batch in batches:
         assert (lowered(batch) - reference(batch)).abs().max() / step <= 2.01
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_dilated_transposed_conv_on_a_narrow_input_agrees_with_its_reference(backend) -> None:
+    """The per-call padding check is a conv's: a transposed conv's padding crops."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.ConvTranspose2d(8, 8, 2, padding=1, dilation=3))
+    prepared, _ = _calibrated(model.eval(), (2, 8, 6, 6), "fx", backend)
+    lowered, reference = qcore.convert_fx(prepared), qcore.convert_to_reference_fx(prepared)
+    x = torch.randn(2, 8, 2, 1)
+    with torch.no_grad():
+        expected, got = reference(x), lowered(x)
+    assert got.shape == expected.shape
+    step = (expected.max() - expected.min()) / 255
+    assert ((got - expected).abs().max() / step) <= 2.01

@@ -297,15 +297,6 @@ class QuantizedConvTranspose(PackedWeights):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed, scale, zero_point = self._packed, self.scale, self.zero_point
-        kernel = list(self.weight_int.shape[2:])
-        if may_read_padding_only(kernel, self.padding, self.dilation) and reads_padding_only(
-            list(x.shape), kernel, self.stride, self.padding, self.dilation
-        ):
-            # oneDNN leaves such outputs as garbage (engine x86 or onednn)
-            return conv_reference(
-                x, self.qweight(), self.bias, self.stride, self.padding, self.dilation,
-                self.groups, self.relu, scale, zero_point,
-            )  # fmt: skip
         if self.dims == 2:
             return _conv_transpose2d(x, packed, scale, zero_point)
         if self.dims == 1:
