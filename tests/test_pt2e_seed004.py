@@ -1,8 +1,10 @@
 """Seed 004 (How to write a Quantizer for PT2E), its examples as tests on qcore's engine."""
 
+from typing import get_args
+
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.fx.passes.utils.matcher_with_name_node_map_utils import (
     SubgraphMatcherWithNameNodeMap,
 )
@@ -17,6 +19,7 @@ from qcore.quantizer import (
     ANNOTATION_KEY,
     DerivedQuantizationSpec,
     FixedQParamsQuantizationSpec,
+    ObserverOrFakeQuantize,
     QuantizationAnnotation,
     QuantizationSpec,
     Quantizer,
@@ -189,7 +192,10 @@ class ConvWithBias(nn.Module):
         return self.conv(x)
 
 
-def derive_qparams_fn(obs_or_fqs):
+def derive_qparams_fn(obs_or_fqs: list[ObserverOrFakeQuantize]) -> tuple[Tensor, Tensor]:
+    """The tutorial's signature: ObserverOrFakeQuantize is imported from qcore, as
+    the tutorial imports it from torchao (qcore had none)."""
+    assert all(isinstance(o, get_args(ObserverOrFakeQuantize)) for o in obs_or_fqs)
     assert len(obs_or_fqs) == 2, f"expected two observers, got {len(obs_or_fqs)}"
     act_scale, _ = obs_or_fqs[0].calculate_qparams()
     weight_scale, _ = obs_or_fqs[1].calculate_qparams()

@@ -8,6 +8,7 @@ qcore's skip and clamp them and convert warns once (:mod:`qcore.observers.nonfin
 """
 
 import sys
+from typing import Union
 
 import torch.ao.quantization
 
@@ -43,6 +44,9 @@ from qcore.observers.nonfinite import (
     NonFiniteValuesWarning,
 )
 
+ObserverOrFakeQuantize = Union[ObserverBase, FakeQuantizeBase]  # noqa: UP007 (torch.ao's alias)
+"""What a DerivedQuantizationSpec's ``derive_qparams_fn`` gets a list of."""
+
 __all__ = [
     "FakeQuantize",
     "FakeQuantizeBase",
@@ -57,6 +61,7 @@ __all__ = [
     "NonFiniteValuesWarning",
     "NoopObserver",
     "ObserverBase",
+    "ObserverOrFakeQuantize",
     "PartialConstructor",
     "PerChannelMinMaxObserver",
     "PlaceholderObserver",

@@ -1,5 +1,6 @@
 """Layer 2, quantizer: the annotation API both front doors produce."""
 
+from qcore.observers import ObserverOrFakeQuantize
 from qcore.quantizer.quantizer import (
     ANNOTATION_KEY,
     AnnotationChange,
@@ -24,6 +25,7 @@ __all__ = [
     "DerivedQuantizationSpec",
     "EdgeOrNode",
     "FixedQParamsQuantizationSpec",
+    "ObserverOrFakeQuantize",
     "QuantizationAnnotation",
     "QuantizationConfig",
     "QuantizationSpec",
