@@ -2,6 +2,7 @@
 
 import importlib
 import importlib.util
+import math
 import warnings
 
 import pytest
@@ -18,6 +19,7 @@ from qcore.pt2e import AnnotationError, BackendQuantizer
 from qcore.quantizer import (
     ANNOTATION_KEY,
     ComposableQuantizer,
+    FixedQParamsQuantizationSpec,
     QuantizationAnnotation,
     QuantizationConfig,
     QuantizationSpec,
@@ -233,6 +235,65 @@ def test_quantization_config_checks_its_fields():
         QuantizationConfig(ACT, ACT, weight="int8")
 
 
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (  # gave -5.9 dB, silently (torchao: an assertion at run time)
+            lambda: QuantizationSpec(
+                dtype=torch.uint8,
+                quant_min=-128,
+                quant_max=127,
+                observer_or_fake_quant_ctr=MinMaxObserver,
+            ),
+            r"QuantizationSpec.quant_min: got -128 \(int\); expected a value in "
+            r"torch.uint8's range \[0, 255\]",
+        ),
+        (  # NaN passed "scale > 0" and gave NaN outputs
+            lambda: FixedQParamsQuantizationSpec(dtype=torch.uint8, scale=math.nan, zero_point=0),
+            r"FixedQParamsQuantizationSpec.scale: got nan .*expected a finite float",
+        ),
+        (
+            lambda: FixedQParamsQuantizationSpec(dtype=torch.uint8, scale=0.1, zero_point=300),
+            r"FixedQParamsQuantizationSpec.zero_point: got 300 .*expected an int in \[0, 255\]",
+        ),
+        (  # an instance failed at calibration: "forward() missing ... 'x_orig'"
+            lambda: QuantizationSpec(
+                dtype=torch.uint8, observer_or_fake_quant_ctr=MinMaxObserver()
+            ),
+            "QuantizationSpec.observer_or_fake_quant_ctr: got MinMaxObserver",
+        ),
+        (  # raised a bare AssertionError at prepare
+            lambda: QuantizationAnnotation(output_qspec=torch.int8),
+            "QuantizationAnnotation.output_qspec: got torch.int8",
+        ),
+    ],
+    ids=["range beyond the dtype", "nan scale", "zero point", "observer instance", "not a spec"],
+)
+def test_a_spec_a_quantizer_gets_wrong_is_refused_when_built(build, message):
+    with pytest.raises(ConfigError, match=message):
+        build()
+
+
+def test_an_observer_constructor_that_makes_no_observer_names_the_edge():
+    """nn.Identity passed the callable() check and left the input unquantized."""
+    identity = QuantizationSpec(dtype=torch.uint8, observer_or_fake_quant_ctr=nn.Identity)
+
+    class Identity(Quantizer):
+        def annotate(self, model):
+            for node in model.graph.nodes:
+                if node.name == "linear":
+                    node.meta[ANNOTATION_KEY] = QuantizationAnnotation(
+                        input_qspec_map={node.args[0]: identity}
+                    )
+            return model
+
+    with pytest.raises(
+        TypeError,
+        match="the annotation of the input 'flatten' of 'linear': its observer_or_fake_quant",
+    ):
+        qcore.prepare_pt2e(exported(), Identity())
+
+
 def test_prepare_leaves_the_exported_model_untouched_and_convert_needs_a_prepared_one():
     gm = exported()
     before = [n.name for n in gm.graph.nodes]
@@ -419,3 +480,35 @@ def test_the_third_party_backend_gets_pt2e_without_a_quantizer(monkeypatch):
     converted = qcore.convert_pt2e(prepared)  # mychip has no kernels: reference form
     assert "REFERENCE" in {e.status.name for e in qcore.explain(converted)}
     assert sqnr(model(X), converted(X)) > 15
+
+
+@pytest.mark.skipif(not installed("x86"), reason="needs the x86 plugin")
+def test_a_quantizer_that_quantizes_nothing_is_said_once():
+    """SqueezeBERT's linears are 1x1 conv1ds, which x86 (as torchao's
+    X86InductorQuantizer) quantizes only with a fused activation: the prepared
+    model observed nothing and convert returned the float model, without a word."""
+
+    class Pointwise(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(8, 8, 1)
+
+        def forward(self, x):
+            return nn.functional.gelu(self.conv(x))
+
+    x = torch.randn(2, 8, 16)
+    exported_model = torch.export.export(Pointwise().eval(), (x,)).module()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qcore.prepare_pt2e(exported_model, "x86")
+    messages = [str(w.message) for w in caught if "quantizes nothing" in str(w.message)]
+    assert messages == [
+        "prepare_pt2e: 'x86' quantizes nothing in this model; its 2 op(s) stay float "
+        "(aten.conv1d, aten.gelu), e.g. aten.conv1d: x86 quantizes conv1d only with a fused "
+        "unary post-op (relu, hardtanh, hardswish, silu), as torchao's X86InductorQuantizer "
+        "does. qcore.explain(prepared) gives the reason for each."
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qcore.prepare_pt2e(exported(), "x86")
+    assert not [w for w in caught if "quantizes nothing" in str(w.message)]

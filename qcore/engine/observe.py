@@ -19,6 +19,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
+from qcore.config.errors import describe
 from qcore.observers.substitute import fast_constructor
 from qcore.quantizer.spec import (
     DerivedQuantizationSpec,
@@ -106,10 +107,25 @@ class ObserverPlan:
     points_of_observer: dict[str, list[Point]] = field(default_factory=dict)
 
 
-def _make_observer(spec: QuantizationSpecBase, make_fixed: Callable) -> torch.nn.Module:
+def _make_observer(spec: QuantizationSpecBase, make_fixed: Callable, where: str) -> torch.nn.Module:
     if isinstance(spec, FixedQParamsQuantizationSpec):
         return make_fixed(spec)
-    assert isinstance(spec, QuantizationSpec)
+    if not isinstance(spec, QuantizationSpec):  # an annotation changed after it was built
+        raise TypeError(
+            f"the annotation of the {where}: got {describe(spec)}; expected a QuantizationSpec, "
+            "SharedQuantizationSpec, FixedQParamsQuantizationSpec or DerivedQuantizationSpec"
+        )
+    observer = _build(spec)
+    if not (isinstance(observer, torch.nn.Module) and hasattr(observer, "calculate_qparams")):
+        raise TypeError(
+            f"the annotation of the {where}: its observer_or_fake_quant_ctr "
+            f"{describe(spec.observer_or_fake_quant_ctr)} made {describe(observer)}; expected "
+            "an observer or fake quant (a module with calculate_qparams, such as MinMaxObserver)"
+        )
+    return observer
+
+
+def _build(spec: QuantizationSpec) -> Any:
     kwargs: dict[str, Any] = {"dtype": spec.dtype}
     if spec.quant_min is not None:
         kwargs.update(quant_min=spec.quant_min, quant_max=spec.quant_max)
@@ -316,7 +332,7 @@ def insert_observers(
         elif make_observer is not None:
             observer = make_observer(spec)
         else:
-            observer = _make_observer(spec, make_fixed)
+            observer = _make_observer(spec, make_fixed, _describe_point(first))
         setattr(gm, name, observer)
         plan.points_of_observer[name] = group
         for point in group:

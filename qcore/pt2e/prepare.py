@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from qcore.config.errors import describe
+from qcore.config.errors import QCoreWarning, caller_stacklevel, describe
 from qcore.engine.explain import Entry, Report, Status, attach_report
 from qcore.engine.observe import ObserverPlan, insert_observers
 from qcore.observers import register_with_torchao
@@ -164,6 +164,24 @@ def _report(gm: GraphModule, backend: str, observer_names: set[str]) -> Report:
     return Report(backend, entries)
 
 
+def _warn_if_nothing_quantized(report: Report) -> None:
+    """One warning when the quantizer annotated no op: the converted model would be
+    the float model, which torchao gives without a word (SqueezeBERT on x86: its
+    linears are 1x1 conv1ds, which X86InductorQuantizer leaves float)."""
+    if report.quantized or not report.float:
+        return
+    kinds = sorted({entry.op for entry in report.float})
+    first = report.float[0]
+    warnings.warn(
+        f"prepare_pt2e: {report.backend!r} quantizes nothing in this model; its "
+        f"{len(report.float)} op(s) stay float ({', '.join(kinds[:5])}"
+        f"{', ...' if len(kinds) > 5 else ''}), e.g. {first.op}: {first.reason}. "
+        "qcore.explain(prepared) gives the reason for each.",
+        QCoreWarning,
+        stacklevel=caller_stacklevel(),
+    )
+
+
 def control_flow_subgraphs(gm: GraphModule) -> list[str]:
     """Attribute names of the subgraphs ``gm`` runs through control flow: scan's
     combine_fn and while_loop's body_fn, quantized like the graph around them."""
@@ -263,7 +281,7 @@ def _prepare(model: Any, quantizer: Any, is_qat: bool) -> GraphModule:
     names = tuple(plan.points_of_observer)
     full_range = bool(getattr(chosen, "full_range", False))
     gm.meta[PT2E_STATE_KEY] = Pt2eState(backend_name, kernels, is_qat, names, full_range, foreign)
-    attach_report(gm, _report(gm, backend_name, set(names)))
+    _warn_if_nothing_quantized(attach_report(gm, _report(gm, backend_name, set(names))))
     replace_export_guard(gm)
     return refuse_train_eval(gm)
 

@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,10 +59,26 @@ class QuantizationSpecBase:
     __slots__ = ()
 
 
-def _check_range(owner: str, quant_min: Any, quant_max: Any) -> None:
+_INTEGER_RANGE = {
+    torch.quint8: (0, 255),
+    torch.qint8: (-128, 127),
+    torch.qint32: (-(2**31), 2**31 - 1),
+    torch.quint4x2: (0, 15),
+    **{
+        dtype: (int(torch.iinfo(dtype).min), int(torch.iinfo(dtype).max))
+        for dtype in (torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32)
+    },
+}
+
+
+def _check_range(owner: str, quant_min: Any, quant_max: Any, dtype: Any = None) -> None:
     for name, value in (("quant_min", quant_min), ("quant_max", quant_max)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise invalid(f"{owner}.{name}", value, "an int or None")
+        low, high = _INTEGER_RANGE.get(dtype, (value, value))
+        if value is not None and not low <= value <= high:
+            # torchao's fake tensors would hold other values than the dtype holds
+            raise invalid(f"{owner}.{name}", value, f"a value in {dtype}'s range [{low}, {high}]")
     if quant_min is not None and quant_max is not None and quant_min > quant_max:
         raise invalid(
             f"{owner}.quant_min", quant_min, f"a value no greater than quant_max={quant_max}"
@@ -91,8 +108,10 @@ class QuantizationSpec(QuantizationSpecBase):
     def __post_init__(self) -> None:
         owner = "QuantizationSpec"
         _check_common(owner, self.dtype, self.qscheme)
-        _check_range(owner, self.quant_min, self.quant_max)
-        if not callable(self.observer_or_fake_quant_ctr):
+        _check_range(owner, self.quant_min, self.quant_max, self.dtype)
+        if isinstance(self.observer_or_fake_quant_ctr, torch.nn.Module) or not callable(
+            self.observer_or_fake_quant_ctr
+        ):
             raise invalid(
                 f"{owner}.observer_or_fake_quant_ctr",
                 self.observer_or_fake_quant_ctr,
@@ -121,15 +140,20 @@ class FixedQParamsQuantizationSpec(QuantizationSpecBase):
     def __post_init__(self) -> None:
         owner = "FixedQParamsQuantizationSpec"
         _check_common(owner, self.dtype, self.qscheme)
-        _check_range(owner, self.quant_min, self.quant_max)
+        _check_range(owner, self.quant_min, self.quant_max, self.dtype)
         if (
             isinstance(self.scale, bool)
             or not isinstance(self.scale, (int, float))
-            or self.scale <= 0
+            or not 0 < self.scale < math.inf
         ):
-            raise invalid(f"{owner}.scale", self.scale, "a float greater than 0")
+            raise invalid(f"{owner}.scale", self.scale, "a finite float greater than 0")
         if isinstance(self.zero_point, bool) or not isinstance(self.zero_point, int):
             raise invalid(f"{owner}.zero_point", self.zero_point, "an int")
+        low, high = _INTEGER_RANGE.get(self.dtype, (self.zero_point, self.zero_point))
+        low = low if self.quant_min is None else self.quant_min
+        high = high if self.quant_max is None else self.quant_max
+        if not low <= self.zero_point <= high:
+            raise invalid(f"{owner}.zero_point", self.zero_point, f"an int in [{low}, {high}]")
 
 
 def _check_edge_or_node(field_name: str, value: Any) -> None:
@@ -167,7 +191,7 @@ class DerivedQuantizationSpec(QuantizationSpecBase):
     def __post_init__(self) -> None:
         owner = "DerivedQuantizationSpec"
         _check_common(owner, self.dtype, self.qscheme)
-        _check_range(owner, self.quant_min, self.quant_max)
+        _check_range(owner, self.quant_min, self.quant_max, self.dtype)
         if not self.derived_from:
             raise invalid(f"{owner}.derived_from", self.derived_from, "at least one edge or node")
         for index, item in enumerate(self.derived_from):
@@ -191,3 +215,35 @@ class QuantizationAnnotation:
     output_qspec: QuantizationSpecBase | None = None
     allow_implicit_sharing: bool = True
     _annotated: bool = False
+
+    def __post_init__(self) -> None:
+        owner = "QuantizationAnnotation"
+        if not isinstance(self.input_qspec_map, dict):
+            raise invalid(f"{owner}.input_qspec_map", self.input_qspec_map, "a dict")
+        for node, spec in self.input_qspec_map.items():
+            if not isinstance(node, Node):
+                raise invalid(f"{owner}.input_qspec_map key", node, "a torch.fx.Node")
+            _check_spec(f"{owner}.input_qspec_map[{node.name!r}]", spec)
+        _check_spec(f"{owner}.output_qspec", self.output_qspec)
+
+
+# torchao's and torch.ao's spec classes, which their Quantizers' annotations hold
+_SPEC_CLASS_NAMES = {
+    "QuantizationSpec",
+    "SharedQuantizationSpec",
+    "FixedQParamsQuantizationSpec",
+    "DerivedQuantizationSpec",
+}
+
+
+def _check_spec(field_name: str, spec: Any) -> None:
+    if spec is None or isinstance(spec, QuantizationSpecBase):
+        return
+    if type(spec).__name__ in _SPEC_CLASS_NAMES:
+        return
+    raise invalid(
+        field_name,
+        spec,
+        "None or a QuantizationSpec, SharedQuantizationSpec, "
+        "FixedQParamsQuantizationSpec or DerivedQuantizationSpec",
+    )
