@@ -117,11 +117,17 @@ def test_qcores_own_kernels_are_not_tried():
     assert not is_tested(Kernel("chip.linear", torch.nn.Linear, "chip", BEHAVIOURS["right"]))
 
 
-def test_pt2e_tries_the_kernel_too(registry):
+@pytest.mark.parametrize("dynamic_batch", [False, True], ids=["static", "dynamic batch"])
+def test_pt2e_tries_the_kernel_too(registry, dynamic_batch):
+    """With a dynamic batch the kernel was not tried (no recorded size): it ran,
+    explained as quantized, and gave (3, 1) for (3, 4). It is tried at the batch
+    export saw."""
     registry.register(chip("wrong_shape"), name="chip")
     model = torch.nn.Sequential(torch.nn.Linear(8, 4)).eval()
     x = torch.randn(3, 8)
-    prepared = qcore.prepare_pt2e(torch.export.export(model, (x,)).module(), "chip")
+    shapes = {"input": {0: torch.export.Dim("batch")}} if dynamic_batch else None
+    exported = torch.export.export(model, (x,), dynamic_shapes=shapes).module()
+    prepared = qcore.prepare_pt2e(exported, "chip")
     prepared(x)
     with pytest.warns(qcore.QCoreWarning, match=r"chip\.linear\): it returned shape \(12,\)"):
         lowered = qcore.convert_pt2e(prepared)

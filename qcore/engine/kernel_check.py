@@ -46,15 +46,18 @@ def is_tested(kernel: Kernel) -> bool:
     return module.split(".")[0] in TESTED_PACKAGES
 
 
-def recorded(node: Any, gm: GraphModule | None = None) -> tuple[torch.Size, torch.dtype] | None:
+def recorded(
+    node: Any, gm: GraphModule | None = None, *, example_sizes: bool = False
+) -> tuple[torch.Size, torch.dtype] | None:
     """The (shape, dtype) prepare recorded for the value ``node`` carries, through
     the quantize/dequantize ops around it; None where none was recorded (or the
-    value is a constant and no ``gm`` holding it is given)."""
+    value is a constant and no ``gm`` holding it is given). A dynamic dimension
+    has no size, unless ``example_sizes``: then it is the size export saw."""
     while isinstance(node, Node):
         # FX's probe records tensor_meta; torch.export records a fake tensor as val
         meta = node.meta.get("tensor_meta", node.meta.get("val"))
         if meta is not None and hasattr(meta, "shape"):
-            sizes = tuple(meta.shape)
+            sizes = tuple(_size(size, example_sizes) for size in meta.shape)
             if not all(isinstance(size, int) for size in sizes):
                 return None  # a dynamic (symbolic) size
             return torch.Size(sizes), meta.dtype
@@ -68,6 +71,13 @@ def recorded(node: Any, gm: GraphModule | None = None) -> tuple[torch.Size, torc
             return None
         node = node.args[0]
     return None
+
+
+def _size(size: Any, example_sizes: bool) -> Any:
+    if isinstance(size, torch.SymInt) and example_sizes:
+        hint = size.node.hint
+        return int(hint) if hint is not None else size
+    return size
 
 
 def sample_input(

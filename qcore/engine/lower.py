@@ -325,7 +325,7 @@ class _Lowering:
         """Run a kernel qcore does not test on inputs of the recorded shapes; refuse
         it unless its output has the recorded shape and promised kind
         (:mod:`qcore.engine.kernel_check`)."""
-        expected = recorded(match.nodes[-1], self.gm)
+        expected = recorded(match.nodes[-1], self.gm, example_sizes=True)
         call = self._sample_call(match.root)
         if expected is None or call is None:
             return  # a size or other value with no recorded shape: nothing to try
@@ -344,7 +344,7 @@ class _Lowering:
         unknown: list[Node] = []
 
         def sample(arg: Node) -> Any:
-            found = recorded(arg, self.gm)
+            found = recorded(arg, self.gm, example_sizes=True)
             if found is None:
                 unknown.append(arg)
                 return None
