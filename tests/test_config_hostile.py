@@ -1200,3 +1200,65 @@ def test_fuzz_documents_are_valid_before_mutation():
     assert any(p.pattern is None for p in patterns) and any(p.fuser_method for p in patterns)
     constraints = [d.input_dtype_with_constraints for p in patterns for d in p.dtype_configs]
     assert any(c.zero_point_exact_match is not None for c in constraints)
+
+
+def _fusing_config(**hooks):
+    """A conv -> relu fusion config with one of its callables replaced."""
+    from qcore.config import BackendConfig, BackendPatternConfig, DTypeConfig
+
+    config = BackendPatternConfig((torch.nn.Conv2d, torch.nn.ReLU)).add_dtype_config(
+        DTypeConfig(input_dtype=torch.quint8, output_dtype=torch.quint8, weight_dtype=torch.qint8)
+    )
+    config.set_fuser_method(hooks.get("fuser", lambda is_qat, conv, relu: torch.nn.Sequential()))
+    if "root" in hooks:
+        config._set_root_node_getter(hooks["root"])
+    return BackendConfig("hooks").set_backend_pattern_config(config)
+
+
+@pytest.mark.parametrize(
+    "hooks, message",
+    [
+        (
+            {"fuser": lambda conv, relu: None},  # torch.ao's older signature
+            r"BackendPatternConfig\(\(ReLU, Conv2d\)\)\.fuser_method function .* raised "
+            "TypeError: .* takes 2 positional arguments but 3 were given",
+        ),
+        (
+            {"fuser": lambda is_qat, conv, relu: None},
+            r"\.fuser_method function .* returned None \(NoneType\); expected the fused module",
+        ),
+        (
+            {"root": lambda nested: None},
+            r"\.root_node_getter returned None \(NoneType\); expected one of the nodes the "
+            r"pattern matched \(\['_1', '_0'\]\)",
+        ),
+    ],
+    ids=["fuser signature", "fuser returns None", "root getter returns None"],
+)
+def test_a_configs_callable_that_fails_at_prepare_names_the_config_and_field(hooks, message):
+    """These raised TypeError or AttributeError from inside qcore's fuser and matcher
+    ("'NoneType' object has no attribute 'training'"), naming no config."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1), torch.nn.ReLU()).eval()
+    with pytest.raises(ConfigError, match=message):
+        qcore.prepare_fx(
+            model, None, (torch.randn(1, 3, 4, 4),), backend_config=_fusing_config(**hooks)
+        )
+
+
+@pytest.mark.parametrize(
+    "pattern", [torch.nn.Linear(8, 4), int], ids=["module instance", "not a module class"]
+)
+def test_a_pattern_that_can_match_nothing_is_refused(pattern):
+    from qcore.config import BackendPatternConfig
+
+    with pytest.raises(
+        ConfigError, match="BackendPatternConfig.pattern: got .*; expected a module"
+    ):
+        BackendPatternConfig(pattern)
+
+
+def test_a_module_instance_as_fuser_method_is_refused():
+    from qcore.config import BackendPatternConfig
+
+    with pytest.raises(ConfigError, match="fuser_method: got .*not a module instance"):
+        BackendPatternConfig((torch.nn.Conv2d, torch.nn.ReLU)).set_fuser_method(torch.nn.ReLU())

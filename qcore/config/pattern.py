@@ -60,10 +60,19 @@ def _check_pattern_item(field_name: str, item: Any, depth: int = 1) -> None:
         # A string is the name of a Tensor method; "" or "a b" can never match one.
         if not item.isidentifier():
             raise invalid(field_name, item, "a method name such as 'relu' (a Python identifier)")
-    elif not callable(item):
+    elif (
+        not callable(item)
+        or isinstance(item, torch.nn.Module)  # an instance never matches a node
+        or isinstance(item, type) and not _matchable_class(item)
+    ):
         raise invalid(
             field_name, item, "a module class, a function, a method name (str) or a tuple of those"
         )
+
+
+def _matchable_class(cls: type) -> bool:
+    """A module class (call_module nodes) or MatchAllNode; `int` matches nothing."""
+    return issubclass(cls, torch.nn.Module) or cls is MatchAllNode
 
 
 def _check_simple_pattern(pattern: Any) -> None:
@@ -133,8 +142,9 @@ def _check_module_class(field_name: str, value: Any, example: str | None = None)
 
 
 def _check_optional_callable(field_name: str, value: Any) -> None:
-    if value is not None and not callable(value):
-        raise invalid(field_name, value, "a callable or None")
+    # a module instance is callable, but as a forward: it takes no (is_qat, *modules)
+    if value is not None and (not callable(value) or isinstance(value, torch.nn.Module)):
+        raise invalid(field_name, value, "a callable or None (a function, not a module instance)")
 
 
 class BackendPatternConfig:

@@ -27,7 +27,15 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from qcore.config import BackendConfig
-from qcore.engine.match import MatchAllNode, find_matches, is_match_all
+from qcore.config.errors import ConfigError, describe
+from qcore.config.pattern import format_pattern
+from qcore.engine.match import (
+    MatchAllNode,
+    call_config_hook,
+    extra_inputs_of,
+    find_matches,
+    is_match_all,
+)
 from qcore.engine.trace import delete_unused_submodules
 
 __all__ = ["fuse_graph", "fusion_rules"]
@@ -112,18 +120,24 @@ def fuse_graph(
             # folded in, a relu, an add short of an input): such a root stays unfused.
             continue
         getter = match.config._extra_inputs_getter
-        extra_inputs = list(getter(match.nested)) if getter is not None else []
+        extra_inputs = extra_inputs_of(match.config, match.nested) if getter is not None else []
         if not all(_same_shape(extra, match.output) for extra in extra_inputs):
             continue
         if match.config.pattern is not None:
             parts = [_as_module(node, modules) for node in reversed(match.nodes)]
             if any(part is None for part in parts):
                 continue
-            fused = match.config.fuser_method(is_qat, *parts)
         else:
             pattern = match.config.pattern_complex_format
-            nested = _nested_modules(match.nested, pattern, modules)
-            fused = match.config.fuser_method(is_qat, *nested)
+            parts = list(_nested_modules(match.nested, pattern, modules))
+        fuser = match.config.fuser_method
+        fused = call_config_hook(match.config, "fuser_method", fuser, is_qat, *parts)
+        if not isinstance(fused, torch.nn.Module):
+            raise ConfigError(
+                f"BackendPatternConfig({format_pattern(match.config.pattern_complex_format)})"
+                f".fuser_method {describe(fuser)} returned {describe(fused)}; expected the "
+                "fused module (fuser_method(is_qat, *modules) -> nn.Module)"
+            )
         # a fused module made new (ConvReLU2d) starts in training mode; it takes the
         # mode of the module it replaces, and its children keep their own
         fused.training = modules[root.target].training if root.op == "call_module" else gm.training

@@ -20,7 +20,8 @@ from torch.fx import Node
 from torch.nn.utils.parametrize import type_before_parametrizations
 
 from qcore.config import BackendPatternConfig
-from qcore.config.pattern import MatchAllNode
+from qcore.config.errors import ConfigError, describe
+from qcore.config.pattern import MatchAllNode, format_pattern
 
 __all__ = ["Match", "MatchAllNode", "find_matches", "is_match_all", "match_pattern", "node_op"]
 
@@ -182,15 +183,48 @@ def find_matches(
             flat = _flatten(nested, pattern)
             if any(n in matched for n in flat):
                 continue
-            extra_inputs = config._extra_inputs_getter
-            if extra_inputs is not None and not all(
-                isinstance(extra, Node) for extra in extra_inputs(nested)
+            if config._extra_inputs_getter is not None and not all(
+                isinstance(extra, Node) for extra in extra_inputs_of(config, nested)
             ):
                 continue  # `conv(x) + 3` is no conv-add: its residual must be a graph value
             getter = config._root_node_getter
-            root = getter(nested) if getter is not None else _default_root(nested)
+            if getter is None:
+                root = _default_root(nested)
+            else:
+                root = call_config_hook(config, "root_node_getter", getter, nested)
+                if root not in flat:
+                    raise ConfigError(
+                        f"{_owner(config)}.root_node_getter returned {describe(root)}; "
+                        f"expected one of the nodes the pattern matched ({[n.name for n in flat]})"
+                    )
             found = Match(config, nested, flat, root, node)
             for n in flat:
                 matched[n] = found
             break
     return matched
+
+
+def _owner(config: Any) -> str:
+    return f"BackendPatternConfig({format_pattern(config.pattern_complex_format)})"
+
+
+def call_config_hook(config: Any, field: str, function: Any, *args: Any) -> Any:
+    """Call a BackendPatternConfig's ``field`` (a fuser method, a getter) on a match;
+    what it raises becomes a ConfigError naming the config and the field."""
+    try:
+        return function(*args)
+    except Exception as error:
+        raise ConfigError(
+            f"{_owner(config)}.{field} {describe(function)} raised {type(error).__name__}: {error}"
+        ) from error
+
+
+def extra_inputs_of(config: Any, nested: Any) -> list[Any]:
+    """What the config's extra_inputs_getter returns for a match, as a list."""
+    extra = call_config_hook(config, "extra_inputs_getter", config._extra_inputs_getter, nested)
+    if not isinstance(extra, (list, tuple)):
+        raise ConfigError(
+            f"{_owner(config)}.extra_inputs_getter returned {describe(extra)}; expected a "
+            "list of the pattern's extra inputs (nodes), empty if none"
+        )
+    return list(extra)
