@@ -1262,3 +1262,19 @@ def test_a_module_instance_as_fuser_method_is_refused():
 
     with pytest.raises(ConfigError, match="fuser_method: got .*not a module instance"):
         BackendPatternConfig((torch.nn.Conv2d, torch.nn.ReLU)).set_fuser_method(torch.nn.ReLU())
+
+
+def test_torch_aos_config_objects_are_named_as_torch_aos():
+    """ "got DTypeConfig(...) (DTypeConfig); expected a DTypeConfig" read as a
+    contradiction; torch.ao's ObservationType was refused by the setter while
+    from_dict took it."""
+    from torch.ao.quantization.backend_config import DTypeConfig as TorchAoDTypeConfig
+    from torch.ao.quantization.backend_config import ObservationType as TorchAoObservationType
+
+    from qcore.config import BackendPatternConfig, ObservationType
+
+    config = BackendPatternConfig(torch.nn.Linear)
+    with pytest.raises(ConfigError, match=r"\(torch.ao's DTypeConfig: qcore.config.torch_ao con"):
+        config.add_dtype_config(TorchAoDTypeConfig(input_dtype=torch.quint8))
+    config.set_observation_type(TorchAoObservationType.OUTPUT_SHARE_OBSERVER_WITH_INPUT)
+    assert config.observation_type is ObservationType.OUTPUT_SHARE_OBSERVER_WITH_INPUT

@@ -48,6 +48,12 @@ def describe(value: Any) -> str:
         text = f"<unprintable: {type(error).__name__}>"
     if len(text) > 80:
         text = text[:77] + "..."
+    if type(value).__module__.startswith(("torch.ao.", "torchao.")):
+        # same class names as qcore's: "got DTypeConfig; expected a DTypeConfig" misleads
+        return (
+            f"{text} (torch.ao's {type(value).__name__}: qcore.config.torch_ao converts "
+            "torch.ao's configs, from_torch_ao for a whole BackendConfig)"
+        )
     return f"{text} ({type(value).__name__})"
 
 

@@ -229,6 +229,12 @@ class BackendPatternConfig:
 
     def set_observation_type(self, observation_type: ObservationType) -> BackendPatternConfig:
         """How the pattern's input and output are observed (see ObservationType)."""
+        if type(observation_type).__name__ == "ObservationType" and not isinstance(
+            observation_type, ObservationType
+        ):  # torch.ao's enum, as from_dict takes it
+            observation_type = ObservationType.__members__.get(
+                getattr(observation_type, "name", ""), observation_type
+            )
         if not isinstance(observation_type, ObservationType):
             raise invalid(
                 "BackendPatternConfig.observation_type",
