@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from backends import backend_params
+from backends import backend_params, installed
+from test_pt2e_api import OwnQuantizer  # every linear in uint8 x int8, no plugin needed
 from torch import nn
 
 import qcore
@@ -97,3 +98,31 @@ def test_the_ranges_export_recorded_are_kept(backend, dim, tmp_path):
     qcore.save(qcore.convert_pt2e(prepared), tmp_path / "model.qcore")
     with pytest.raises(AssertionError, match=re.escape(message)):
         qcore.load(tmp_path / "model.qcore")(torch.randn(12, 16))
+
+
+def test_the_input_guard_lets_torch_compile_keep_the_batch_dynamic():
+    """The guard formatted each size into its message before checking it, which
+    made torch.compile specialise the graph to the size: a recompile at every new
+    batch, the model falling back to eager after 8 (qcore.compile too). torchao's
+    model recompiles once."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    shapes = {"x": {0: torch.export.Dim("batch", min=1, max=64)}}
+    exported = torch.export.export(
+        SmallNet().eval(), (torch.randn(2, 3, 16, 16),), dynamic_shapes=shapes
+    )
+    prepared = qcore.prepare_pt2e(exported.module(), "x86" if installed("x86") else OwnQuantizer())
+    prepared(torch.randn(2, 3, 16, 16))
+    reference = qcore.convert_pt2e(prepared, lower=False)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(reference, backend=counter)
+    with torch.no_grad():
+        for batch in range(2, 9):
+            compiled(torch.randn(batch, 3, 16, 16))
+    assert counter.frame_count <= 2  # the first size, then the dynamic graph
+    with pytest.raises(
+        AssertionError, match="dimension 0 is 65; the model was exported for 0 to 64"
+    ):
+        reference(torch.randn(65, 3, 16, 16))

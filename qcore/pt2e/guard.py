@@ -47,32 +47,34 @@ class InputShapeGuard(torch.nn.Module):
         and the quantize op met first in the converted graph takes no other (its own
         error names neither the input nor the dtype)."""
 
+    # Each message is formatted only when its check fails: formatting a size makes
+    # torch.compile specialise the graph to it, recompiling at every batch size.
     def forward(self, *inputs: object) -> None:
         symbols: dict[str, tuple[str, int]] = {}
         for name, shape, value in zip(self.names, self.shapes, inputs, strict=False):
             if shape is None or not isinstance(value, torch.Tensor):
                 continue
             self._check_dtype(name, value)
-            torch._assert(
-                value.dim() == len(shape),
-                f"input {name!r} has {value.dim()} dimensions; the model was exported "
-                f"for {len(shape)}",
-            )
+            if value.dim() != len(shape):
+                raise AssertionError(
+                    f"input {name!r} has {value.dim()} dimensions; the model was exported "
+                    f"for {len(shape)}"
+                )
             for dim, expected in enumerate(shape):
                 size = value.size(dim)
                 if isinstance(expected, int):
-                    torch._assert(
-                        size == expected,
-                        f"input {name!r}: dimension {dim} is {size}; the model was exported "
-                        f"for {expected} (export with dynamic_shapes to let it vary)",
-                    )
+                    if size != expected:
+                        raise AssertionError(
+                            f"input {name!r}: dimension {dim} is {size}; the model was "
+                            f"exported for {expected} (export with dynamic_shapes to let it vary)"
+                        )
                 elif expected in symbols:
                     first, first_size = symbols[expected]
-                    torch._assert(
-                        size == first_size,
-                        f"input {name!r}: dimension {dim} is {size} but {first} is "
-                        f"{first_size}; the model was exported with both equal",
-                    )
+                    if size != first_size:
+                        raise AssertionError(
+                            f"input {name!r}: dimension {dim} is {size} but {first} is "
+                            f"{first_size}; the model was exported with both equal"
+                        )
                 else:
                     symbols[expected] = (f"{name!r} dimension {dim}", size)
                     self._check_range(name, dim, size, expected)
@@ -87,11 +89,11 @@ class InputShapeGuard(torch.nn.Module):
 
     def _check_range(self, name: str, dim: int, size: int, symbol: str) -> None:
         low, high = getattr(self, "ranges", {}).get(symbol, (0, None))  # older pickles: none
-        torch._assert(
-            low <= size and (high is None or size <= high),
-            f"input {name!r}: dimension {dim} is {size}; the model was exported for "
-            f"{low} to {'any size' if high is None else high} (its graph may depend on it)",
-        )
+        if size < low or (high is not None and size > high):
+            raise AssertionError(
+                f"input {name!r}: dimension {dim} is {size}; the model was exported for "
+                f"{low} to {'any size' if high is None else high} (its graph may depend on it)"
+            )
 
     def extra_repr(self) -> str:
         shapes = ", ".join(
