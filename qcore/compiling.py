@@ -207,15 +207,18 @@ def _reference_form(model: GraphModule, path: str) -> GraphModule:
     """The reference form compilers match: int8 weights behind quantized_decomposed
     dequantize ops (the FX form's reference modules are rewritten into that)."""
     import qcore
+    from qcore.engine.compile_traps import float_weights_where_padding_only
     from qcore.engine.decomposed import weights_in_graph
     from qcore.pt2e.qdq import duplicate_dequantize
 
     if path == "pt2e":
-        return qcore.convert_pt2e(model, lower=False)
-    reference = qcore.convert_to_reference_fx(model)
-    weights_in_graph(reference)
-    # as PT2E's reference form (and torchao's) has it; FX nodes carry no annotations
-    duplicate_dequantize(reference, annotated_users_only=False)
+        reference = qcore.convert_pt2e(model, lower=False)
+    else:
+        reference = qcore.convert_to_reference_fx(model)
+        weights_in_graph(reference)
+        # as PT2E's reference form (and torchao's) has it; FX nodes carry no annotations
+        duplicate_dequantize(reference, annotated_users_only=False)
+    float_weights_where_padding_only(reference)  # out of reach of oneDNN's int8 conv
     return reference
 
 

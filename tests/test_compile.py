@@ -424,3 +424,52 @@ def test_a_plugin_with_one_recipe_answers_every_mode():
     module = plugin_module("m", [linear()], qcore_compile_recipe=lambda backend: recipe)
     backend = registry(spec("m", "qcore-m", module)).get("m")
     assert backend.compile_recipe("reduce-overhead") is recipe
+
+
+PADDING_ONLY = {
+    "padding past the kernel": (
+        torch.nn.Conv2d(16, 32, (3, 1), stride=3, padding=1),
+        (2, 16, 8, 1),
+    ),
+    "dilation over the input": (torch.nn.Conv2d(3, 4, 2, padding=1, dilation=2), (2, 3, 5, 1)),
+}
+
+
+@requires_x86
+@pytest.mark.parametrize("path", ["pt2e", "fx"])
+@pytest.mark.parametrize("name", list(PADDING_ONLY))
+def test_a_conv_whose_outputs_read_padding_only_is_kept_from_onednn(name, path):
+    """Inductor lowered such a conv to oneDNN's int8 conv, which left those outputs
+    as garbage: 32-150 steps off the reference form, 2-13 dB (torchao + Inductor
+    too). Its weight reaches the compiler as a float constant; the eager kernels
+    check each call (tests/test_torch_kernel_traps.py)."""
+    from torch._dynamo.utils import counters
+
+    conv, shape = PADDING_ONLY[name]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        copy.deepcopy(conv), torch.nn.ReLU(), torch.nn.Conv2d(conv.out_channels, 4, 1)
+    )
+    model.eval()
+    batches = [torch.randn(shape) for _ in range(4)]
+    if path == "pt2e":
+        prepared = qcore.prepare_pt2e(torch.export.export(model, (batches[0],)).module(), "x86")
+    else:
+        prepared = qcore.prepare_fx(model, None, (batches[0],), backend="x86")
+    with torch.no_grad():
+        for batch in batches:
+            prepared(batch)
+    reference = (
+        qcore.convert_pt2e(prepared, lower=False)
+        if path == "pt2e"
+        else qcore.convert_to_reference_fx(prepared)
+    )
+    torch._dynamo.reset()
+    counters.clear()
+    fast = qcore.compile(prepared)
+    x = torch.randn(shape)
+    with torch.no_grad():
+        compiled, expected = fast(x), reference(x)
+    assert counters["inductor"]["qconv_weight_prepack_matcher_count"] == 1  # the 1x1 conv only
+    step = (expected.max() - expected.min()) / 255
+    assert (compiled - expected).abs().max() <= 2 * step

@@ -17,6 +17,7 @@ import functools
 from typing import Any
 
 import torch
+import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed)
 from torch.fx import GraphModule, Node
 
 from qcore import ops
@@ -28,12 +29,18 @@ TESTED_PACKAGES = frozenset({"qcore", "qcore_fbgemm", "qcore_qnnpack", "qcore_x8
 """The packages whose kernels qcore's own CI tests against the reference form."""
 
 # What stands between a value and the op reading it, in a graph being lowered.
+_DECOMPOSED = torch.ops.quantized_decomposed
 _TRAVERSED = (
     ops.quantize_per_tensor,
     ops.dequantize_per_tensor,
     ops.fake_quantize_dynamic,
     torch.quantize_per_tensor,
     torch.clamp,
+    # the reference form's (qcore.compile's graph): no recorded shape of their own
+    _DECOMPOSED.quantize_per_tensor.default,
+    _DECOMPOSED.dequantize_per_tensor.default,
+    _DECOMPOSED.quantize_per_tensor.tensor,
+    _DECOMPOSED.dequantize_per_tensor.tensor,
 )
 
 

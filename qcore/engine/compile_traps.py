@@ -1,0 +1,99 @@
+"""Convs a compiler's int8 pass must not take: those whose outputs read zero padding only.
+
+Inductor lowers ``dequantize(int8 weight) -> conv`` to oneDNN's int8 conv, which
+leaves outputs that read zero padding only as garbage (a padding wider than the
+kernel's reach, or a dilation stepping over a narrow input: 30-150 steps off, and
+torchao + Inductor's models too). qcore's eager kernels check each call
+(``qcore.kernels.scripted.reads_padding_only``); in the graph handed to a compiler,
+such a conv gets its weight as a float constant (the dequantized integers, the same
+values), which no int8 pass matches, so it computes as the reference does.
+
+The input size is the one prepare recorded (for a dynamic dimension, the one
+export saw): a model compiled for other spatial sizes is checked at those.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed)
+from torch.fx import GraphModule, Node
+
+from qcore.engine.conv_padding import explicit_padding, per_dim
+from qcore.engine.kernel_check import recorded
+from qcore.kernels.scripted import reads_padding_only
+
+__all__ = ["float_weights_where_padding_only"]
+
+_CONVS = {
+    torch.ops.aten.conv1d.default,
+    torch.ops.aten.conv2d.default,
+    torch.ops.aten.conv3d.default,
+    torch.ops.aten.conv1d.padding,
+    torch.ops.aten.conv2d.padding,
+    torch.ops.aten.conv3d.padding,
+}
+_WEIGHT_DEQUANTIZE = {
+    torch.ops.quantized_decomposed.dequantize_per_channel.default,
+    torch.ops.quantized_decomposed.dequantize_per_tensor.default,
+}
+
+
+def float_weights_where_padding_only(gm: GraphModule) -> int:
+    """Give each conv of ``gm`` that reads zero padding only its weight as a float
+    constant (in place); returns how many were changed."""
+    changed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _CONVS or len(node.args) < 2:
+            continue
+        weight = node.args[1]
+        value = _constant_value(gm, weight)
+        if value is None or not _reads_padding_only(gm, node, value.shape):
+            continue
+        name = f"{node.name}_float_weight"
+        gm.register_buffer(name, value)
+        with gm.graph.inserting_before(node):
+            node.replace_input_with(weight, gm.graph.get_attr(name))
+        changed += 1
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.delete_all_unused_submodules()
+        gm.recompile()
+    return changed
+
+
+def _constant_value(gm: GraphModule, weight: object) -> torch.Tensor | None:
+    """The float weight a dequantize of constants computes, or None."""
+    if not (
+        isinstance(weight, Node)
+        and weight.op == "call_function"
+        and weight.target in _WEIGHT_DEQUANTIZE
+    ):
+        return None
+    args = []
+    for arg in weight.args:
+        if isinstance(arg, Node):
+            if arg.op != "get_attr":
+                return None
+            arg = getattr(gm, arg.target)
+        args.append(arg)
+    return weight.target(*args, **weight.kwargs).detach()
+
+
+_GEOMETRY = (("stride", 3, 1), ("padding", 4, 0), ("dilation", 5, 1))  # name, position, default
+
+
+def _reads_padding_only(gm: GraphModule, conv: Node, weight_shape: torch.Size) -> bool:
+    kernel = list(weight_shape[2:])
+    dims = len(kernel)
+    stride, padding, dilation = (
+        conv.kwargs.get(name, conv.args[index] if len(conv.args) > index else default)
+        for name, index, default in _GEOMETRY
+    )
+    stride, dilation = per_dim(stride, dims), per_dim(dilation, dims)
+    explicit = explicit_padding(padding, kernel, dilation)
+    if explicit is None:
+        return False  # "same" padding one side more: not one of these geometries
+    found = recorded(conv.args[0], gm, example_sizes=True)
+    # with no recorded size, only padding wider than the kernel's reach can tell
+    sizes = list(found[0]) if found else [1 << 20] * dims
+    return reads_padding_only(sizes, kernel, stride, explicit, dilation)
