@@ -287,6 +287,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", QCoreWarning)  # printed below, with the rest
             backend = default_registry().get(args.name)
+            _ask_lazy_hooks(backend)  # as backends --load does: one verdict on a backend
     except UnknownBackendError as error:
         print(f"qcore: {error}", file=sys.stderr)
         return EXIT_UNKNOWN_BACKEND
@@ -323,7 +324,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from qcore.conformance import run_checks
 
     try:
-        default_registry().get(args.name)
+        _ask_lazy_hooks(default_registry().get(args.name))
     except UnknownBackendError as error:
         print(f"qcore: {error}", file=sys.stderr)
         return EXIT_UNKNOWN_BACKEND

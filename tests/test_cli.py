@@ -193,3 +193,22 @@ def test_backends_load_asks_the_hooks_asked_only_when_needed():
     backend = registry.get("lazybad")  # loads: the mapping is not asked for yet
     with pytest.raises(BackendLoadError, match="qcore_default_qconfig_mapping.. returned 'fbgemm'"):
         _ask_lazy_hooks(backend)
+
+
+@pytest.mark.parametrize("command", ["show", "check"])
+def test_show_and_check_give_the_verdict_backends_load_gives(use_registry, capsys, command):
+    """show printed the patterns and exited 0 for a backend that backends --load
+    marks failed (its default QConfigMapping hook answers a str)."""
+    import qcore
+
+    module = plugin("lazybad")
+
+    @qcore.hookimpl
+    def qcore_default_qconfig_mapping(backend, is_qat):
+        return "fbgemm"
+
+    module.qcore_default_qconfig_mapping = qcore_default_qconfig_mapping
+    use_registry(spec("lazybad", "qcore-lazybad", module))
+    assert cli.main([command, "lazybad"]) == cli.EXIT_LOAD_ERROR
+    err = capsys.readouterr().err
+    assert "qcore_default_qconfig_mapping" in err and "'fbgemm'" in err
