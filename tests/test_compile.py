@@ -428,10 +428,13 @@ def test_a_plugin_with_one_recipe_answers_every_mode():
 
 PADDING_ONLY = {
     "padding past the kernel": (
-        torch.nn.Conv2d(16, 32, (3, 1), stride=3, padding=1),
+        lambda: torch.nn.Conv2d(16, 32, (3, 1), stride=3, padding=1),
         (2, 16, 8, 1),
     ),
-    "dilation over the input": (torch.nn.Conv2d(3, 4, 2, padding=1, dilation=2), (2, 3, 5, 1)),
+    "dilation over the input": (
+        lambda: torch.nn.Conv2d(3, 4, 2, padding=1, dilation=2),
+        (2, 3, 5, 1),
+    ),
 }
 
 
@@ -445,11 +448,10 @@ def test_a_conv_whose_outputs_read_padding_only_is_kept_from_onednn(name, path):
     check each call (tests/test_torch_kernel_traps.py)."""
     from torch._dynamo.utils import counters
 
-    conv, shape = PADDING_ONLY[name]
+    make, shape = PADDING_ONLY[name]
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        copy.deepcopy(conv), torch.nn.ReLU(), torch.nn.Conv2d(conv.out_channels, 4, 1)
-    )
+    conv = make()
+    model = torch.nn.Sequential(conv, torch.nn.ReLU(), torch.nn.Conv2d(conv.out_channels, 4, 1))
     model.eval()
     batches = [torch.randn(shape) for _ in range(4)]
     if path == "pt2e":

@@ -60,17 +60,32 @@ def recorded(
     the quantize/dequantize ops around it; None where none was recorded (or the
     value is a constant and no ``gm`` holding it is given). A dynamic dimension
     has no size, unless ``example_sizes``: then it is the size export saw."""
+    meta = _recorded_meta(node, gm)
+    if meta is None:
+        return None
+    sizes = tuple(_size(size, example_sizes) for size in meta.shape)
+    if not all(isinstance(size, int) for size in sizes):
+        return None  # a dynamic (symbolic) size
+    return torch.Size(sizes), meta.dtype
+
+
+def dynamic_dims(node: Any, gm: GraphModule | None = None) -> set[int]:
+    """The dimensions of ``node``'s recorded value that export left dynamic."""
+    meta = _recorded_meta(node, gm)
+    shape = meta.shape if meta is not None else ()
+    return {dim for dim, size in enumerate(shape) if isinstance(size, torch.SymInt)}
+
+
+def _recorded_meta(node: Any, gm: GraphModule | None) -> Any:
+    """What prepare recorded for ``node``'s value (anything with .shape and .dtype)."""
     while isinstance(node, Node):
         # FX's probe records tensor_meta; torch.export records a fake tensor as val
         meta = node.meta.get("tensor_meta", node.meta.get("val"))
         if meta is not None and hasattr(meta, "shape"):
-            sizes = tuple(_size(size, example_sizes) for size in meta.shape)
-            if not all(isinstance(size, int) for size in sizes):
-                return None  # a dynamic (symbolic) size
-            return torch.Size(sizes), meta.dtype
+            return meta
         if node.op == "get_attr":
             value = getattr(gm, node.target, None)
-            return (value.shape, value.dtype) if isinstance(value, torch.Tensor) else None
+            return value if isinstance(value, torch.Tensor) else None
         traversed = (node.op == "call_function" and node.target in _TRAVERSED) or (
             node.op == "call_method" and node.target == "dequantize"
         )

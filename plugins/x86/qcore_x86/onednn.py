@@ -34,10 +34,11 @@ import torch
 import torch.ao.nn.intrinsic as nni
 from torch import nn
 
-from qcore.engine.kernel_check import recorded
+from qcore.engine.kernel_check import dynamic_dims, recorded
 from qcore.engine.reference import ReferenceModule, weighted_child
 from qcore.kernels.packed import PackedWeights
 from qcore.kernels.runtime import int8_products_saturate
+from qcore.kernels.scripted import may_read_padding_only
 from qcore.kernels.weighted import QuantizedConv, conv_geometry, onednn_conv_trouble
 from qcore.plugin.kernels import ActivationQParams, Kernel, KernelMatch
 from qcore.pt2e.fused import WeightedWithPostOps
@@ -118,6 +119,27 @@ def _prepared_input_shape(match: KernelMatch, conv: nn.Module) -> list[int] | No
     shape = found[0]
     fits = len(shape) == len(conv.kernel_size) + 2 and shape[1] == conv.in_channels
     return list(shape) if fits else None
+
+
+def _trouble_on_recorded_sizes(match: KernelMatch, conv: nn.Module) -> str | None:
+    """:func:`onednn_conv_trouble` on the conv's input as export recorded it. Where a
+    spatial size is dynamic, a dilated or over-padded conv may read padding only at
+    some size; its oneDNN kernel cannot check each call as qcore's FX kernels do."""
+    x = match.root.args[0] if match.root.args else None
+    found = recorded(x, example_sizes=True)
+    trouble = onednn_conv_trouble(conv, found[0] if found else None)
+    stride, padding, dilation, _ = conv_geometry(conv)
+    spatial = range(2, 2 + len(conv.kernel_size))
+    if (
+        trouble is None
+        and dynamic_dims(x) & set(spatial)
+        and may_read_padding_only(list(conv.kernel_size), list(padding), list(dilation))
+    ):
+        trouble = (
+            "a dilated conv on an input of dynamic spatial size: at some sizes its outputs "
+            "read zero padding only, which oneDNN's int8 conv leaves as garbage"
+        )
+    return trouble
 
 
 def _set_weight_qparams(kernel: PackedWeights) -> None:
@@ -216,7 +238,7 @@ class OnednnConv(_OnednnWeighted):
         self.description = (
             f"{conv.in_channels}, {conv.out_channels}, kernel_size={conv.kernel_size}"
         )
-        trouble = onednn_conv_trouble(conv, self.packed_for_shape)
+        trouble = _trouble_on_recorded_sizes(match, conv)
         if trouble is not None:
             raise ValueError(trouble)
         if self.residual_add and self.dims != 2:
@@ -321,6 +343,11 @@ class OnednnPackedConvAdd(QuantizedConv):
         conv = weighted_child(reference.module)
         self.packed_for_shape = _prepared_input_shape(match, conv)
         trouble = onednn_conv_trouble(conv, self.packed_for_shape)
+        _, padding, dilation, _ = conv_geometry(conv)
+        if trouble is None and may_read_padding_only(
+            list(conv.kernel_size), list(padding), list(dilation)
+        ):  # unlike QuantizedConv's, this forward does not check each call's size
+            trouble = "a dilated conv: at some input sizes its outputs read zero padding only"
         if trouble is not None:
             raise ValueError(trouble)
         super().__init__(reference, match.output, relu, "onednn")
