@@ -180,3 +180,36 @@ def test_a_conv_fused_with_an_add_is_not_a_first_layer():
     assert not {pair.first for pair in equalized_pairs(equalized)} & fused
     with torch.no_grad():
         assert sqnr(prepared(*data[0]), equalized(*data[0])) > 60.0
+
+
+class DepthwiseChain(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.c2 = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.c3 = torch.nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        return self.c3(torch.relu(self.c2(torch.relu(self.c1(x)))))
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("factor", [1e-4, 1e-8, 1e-20])
+def test_a_nearly_dead_channel_costs_nothing(factor, backend):
+    """A channel with tiny weights got a tiny scale; the depthwise conv's bias,
+    divided by it, made one huge constant channel that set the next activation's
+    scale: 50.8 dB to 20 (1e-8) and 0 (1e-20) on qnnpack, and qnnpack's
+    recommended recipe runs equalize."""
+    model = DepthwiseChain().eval()
+    with torch.no_grad():
+        model.c1.weight[2].mul_(factor)
+        model.c1.bias[2] = 0.0
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 3, 8, 8, generator=generator),) for _ in range(4)]
+    x = torch.randn(4, 3, 8, 8, generator=generator)
+    plain = qcore.quantize(model, batches[0], batches, backend=backend)
+    equalized = qcore.quantize(model, batches[0], batches, backend=backend, algorithms=["equalize"])
+    with torch.no_grad():
+        expected = model(x)
+        assert _sqnr(expected, equalized(x)) >= _sqnr(expected, plain(x)) - 1.5

@@ -128,13 +128,19 @@ def _spread(ranges: torch.Tensor) -> float:
     return float(positive.max() / positive.min()) if positive.numel() else 1.0
 
 
+_DEAD = 1e-3  # a channel's range below this fraction of its layer's largest
+
+
 def _equalize_pair(first: Layer, second: Layer) -> EqualizedPair | None:
     r1 = _output_ranges(first)
     r2 = _input_ranges(second, r1.numel())
     if r2 is None:
         return None
     before = _spread(r1)
-    usable = (r1 > 0) & (r2 > 0)
+    # A (nearly) dead channel is left as it is: its scale sqrt(r1 / r2) would be
+    # tiny, and dividing the bias by it made one channel a huge constant that set
+    # the next activation's scale (50.8 dB to 0 on a depthwise chain).
+    usable = (r1 > _DEAD * r1.max()) & (r2 > _DEAD * r2.max())
     scale = torch.ones_like(r1)
     scale[usable] = torch.sqrt(r1[usable] / r2[usable])
     shape = [-1] + [1] * (first.weight.dim() - 1)
