@@ -279,3 +279,38 @@ def test_reference_form_of_a_qat_model_folds_batch_norm(trained, request):
     assert (actual - expected).abs().max().item() <= step * (1 + 1e-5)
     conv1 = reference.get_submodule("conv1")
     assert conv1.original_type is nni.ConvReLU2d
+
+
+class DropNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc0, self.drop, self.fc = nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc(self.drop(self.fc0(x)))
+
+
+@pytest.mark.parametrize("convert_in_training_mode", [False, True], ids=["eval", "train"])
+def test_a_dropout_in_a_converted_model_passes_int8_through_in_either_mode(
+    convert_in_training_mode, tmp_path
+):
+    """The float nn.Dropout ran on the int8 tensor: once the converted model was in
+    training mode (set after convert, or converted from a prepared model still
+    training) it crashed, "aten::bernoulli_ ... QuantizedCPU"; torch.ao's model runs."""
+    x = torch.randn(8, 16)
+    prepared = qcore.prepare_qat_fx(DropNet().train(), None, (x,), backend="native")
+    for _ in range(3):
+        prepared(x)
+    if not convert_in_training_mode:
+        prepared.eval()
+    converted = qcore.convert_fx(prepared)
+    with torch.no_grad():
+        expected = converted.eval()(x)
+        converted.train()
+        assert torch.equal(converted(x), expected)
+        assert torch.equal(torch.jit.script(converted)(x), expected)
+    qcore.save(converted, tmp_path / "model.qcore")
+    assert torch.equal(qcore.load(tmp_path / "model.qcore")(x), expected)
+    (entry,) = [e for e in qcore.explain(converted).entries if e.node == "drop"]
+    assert entry.status is Status.QUANTIZED

@@ -180,10 +180,34 @@ class QuantizedMaxPool1d(torch.nn.Module):
         return f"kernel_size={self.kernel_size}, stride={self.stride}"
 
 
-def lower_selecting(match: KernelMatch) -> SameOp | QuantizedMaxPool1d:
+class QuantizedDropout(torch.nn.Module):
+    """An ``nn.Dropout`` in a converted model: its int8 input as is, in either mode
+    (torch.ao's ``nnq.Dropout`` too), requantized where the reference's output
+    qparams differ (a QAT model's, observed in training mode). Kept as the float
+    module, it crashed on int8 once the model was set to training mode
+    (``aten::bernoulli_`` on QuantizedCPU)."""
+
+    returns_quantized = True
+
+    def __init__(self, input_qparams: ActivationQParams, output: ActivationQParams) -> None:
+        super().__init__()
+        self.requantize = output != input_qparams
+        self.scale, self.zero_point = float(output.scale), int(output.zero_point)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.requantize:
+            return x
+        return torch.quantize_per_tensor(x.dequantize(), self.scale, self.zero_point, x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale}, zero_point={self.zero_point}" if self.requantize else ""
+
+
+def lower_selecting(match: KernelMatch) -> SameOp | QuantizedMaxPool1d | QuantizedDropout:
     module = match.module
-    if isinstance(module, torch.nn.Dropout) and module.training:
-        raise ValueError("dropout in training mode")
+    if isinstance(module, torch.nn.Dropout):
+        same = same_as_input(match)
+        return QuantizedDropout(same.produces, match.output)
     if module is None and match.root.target is aten.dropout.default:
         root = match.root
         arguments = normalize_function(
