@@ -104,10 +104,19 @@ _LAZY = {
 }
 
 
+_SUBPACKAGES = frozenset(
+    {"accuracy", "algorithms", "config", "observers", "plugin", "pt2e", "quantizer"}
+)
+
+
 def __getattr__(name: str):
     import importlib
 
     module_name = _LAZY.get(name)
+    if module_name is None and name in _SUBPACKAGES:
+        # qcore.algorithms.equalized_pairs(...) after a bare `import qcore`, as the
+        # user guide writes it
+        return importlib.import_module(f"qcore.{name}")
     if module_name is None:
         observers = importlib.import_module("qcore.observers")
         if name in observers.__all__:

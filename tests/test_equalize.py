@@ -213,3 +213,19 @@ def test_a_nearly_dead_channel_costs_nothing(factor, backend):
     with torch.no_grad():
         expected = model(x)
         assert _sqnr(expected, equalized(x)) >= _sqnr(expected, plain(x)) - 1.5
+
+
+def test_the_guides_qcore_algorithms_calls_work_after_a_bare_import():
+    """qcore.algorithms.equalized_pairs(...) raised AttributeError unless the user
+    had imported qcore.algorithms first."""
+    import subprocess
+    import sys
+
+    code = (
+        "import qcore; "
+        "print(qcore.algorithms.equalized_pairs.__name__, qcore.accuracy.sqnr.__name__)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.split() == ["equalized_pairs", "sqnr"]
