@@ -214,6 +214,8 @@ def call_config_hook(config: Any, field: str, function: Any, *args: Any) -> Any:
     try:
         return function(*args)
     except Exception as error:
+        if type(error).__module__.startswith("qcore."):
+            raise  # qcore's own fusers explain themselves (FusionError)
         raise ConfigError(
             f"{_owner(config)}.{field} {describe(function)} raised {type(error).__name__}: {error}"
         ) from error
