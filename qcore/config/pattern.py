@@ -63,7 +63,7 @@ def _check_pattern_item(field_name: str, item: Any, depth: int = 1) -> None:
     elif (
         not callable(item)
         or isinstance(item, torch.nn.Module)  # an instance never matches a node
-        or isinstance(item, type) and not _matchable_class(item)
+        or (isinstance(item, type) and not _matchable_class(item))
     ):
         raise invalid(
             field_name, item, "a module class, a function, a method name (str) or a tuple of those"
