@@ -717,6 +717,8 @@ def _dynamic_where_it_traces(
             if name in leaves:
                 raise
             if name in (None, "<root>"):  # the module's own forward does not trace
+                if isinstance(model, _CallsLayer):
+                    raise  # its layer is no leaf torch.fx can call: it stays float
                 if not any(True for _ in model.children()):  # a layer: nn.LSTM's forward
                     quantized = _dynamic_layer(model, backend, qconfig_spec, dtype)
                     inside = [] if quantized is model else [""]
@@ -790,7 +792,12 @@ class _CallsLayer(torch.nn.Module):
 def _dynamic_layer(layer: torch.nn.Module, backend: Any, qconfig_spec: Any, dtype) -> Any:
     """A layer whose own forward does not trace (nn.LSTM, nn.GRUCell) as the kernel
     it lowers to when called in a traced graph; the layer itself if none takes it."""
-    converted = _dynamic_where_it_traces(_CallsLayer(layer), None, backend, qconfig_spec, dtype)
+    from qcore.engine.trace import TraceFailure
+
+    try:
+        converted = _dynamic_where_it_traces(_CallsLayer(layer), None, backend, qconfig_spec, dtype)
+    except TraceFailure:
+        return layer
     (call,) = converted.graph.find_nodes(op="call_module")
     kernel = converted.get_submodule(call.target)
     return layer if isinstance(kernel, (type(layer), ReferenceModule)) else kernel

@@ -294,3 +294,25 @@ def test_a_bare_lstm_is_swapped_as_torch_ao_swaps_it(backend):
     assert [e.status.value for e in qcore.explain(converted).entries] == ["quantized"]
     x = torch.randn(5, 3, 8)
     assert _sqnr(lstm(x)[0], converted(x)[0]) > 30
+
+
+class BranchesOnData(nn.Module):
+    """No children, a forward torch.fx cannot trace, and no layer type to swap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        return x @ self.weight if x.sum() > 0 else x
+
+
+def test_a_childless_module_that_does_not_trace_stays_float():
+    model = nn.Sequential(BranchesOnData(), nn.Linear(4, 4)).eval()
+    converted = qcore.quantize_dynamic(model, backend="native")
+    x = torch.randn(2, 4)
+    assert any(type(m) is BranchesOnData for m in converted.modules())
+    assert _sqnr(model(x), converted(x)) > 30
+    alone = qcore.quantize_dynamic(BranchesOnData(), backend="native")
+    assert type(alone) is BranchesOnData
+    assert "its layers quantized on their own: none" in qcore.explain(alone).entries[0].reason
