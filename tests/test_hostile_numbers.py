@@ -369,3 +369,22 @@ def test_qat_fake_quant_skips_nan_batches():
     fake_quant(with_nan())
     assert torch.isfinite(fake_quant.scale).all() and (fake_quant.scale > 0).all()
     assert fake_quant.activation_post_process.nonfinite_skipped == 2
+
+
+def test_a_weight_holding_nan_is_named_at_convert():
+    """convert warned of NaN calibration values, naming the activations that met
+    them but not the weight they came from (torch.ao fails in histc)."""
+    import math
+    import warnings
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU()).eval()
+    with torch.no_grad():
+        model[0].weight[3, 0, 0, 0] = math.nan
+    x = torch.randn(2, 3, 6, 6)
+    prepared = qcore.prepare_fx(model, None, (x,), backend="native")
+    prepared(x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qcore.convert_fx(prepared)
+    named = [str(w.message) for w in caught if "weights hold NaN or inf" in str(w.message)]
+    assert len(named) == 1 and "0.weight (1 of 216)" in named[0]
