@@ -496,3 +496,36 @@ def test_the_default_dtype_while_quantizing_changes_no_output(backend):
             return converted(*x)
 
     torch.testing.assert_close(quantized(torch.float64), quantized(torch.float32), rtol=0, atol=0)
+
+
+class NewPaths(torch.nn.Module):
+    """The run-time paths stop 30 added: a dilated conv on a map narrower than its
+    dilation (computed as the reference does), a broadcasting add and mul where
+    neither operand has the output's shape (expanded), and a dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(4, 4, 2, padding=1, dilation=2)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        y = self.drop(self.conv(x))
+        row, column = y.mean(2, keepdim=True), y.mean(3, keepdim=True)
+        return row + column, row * column
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_this_stops_run_time_paths_read_no_global_engine(backend):
+    generator = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(2, 4, 6, 6, generator=generator),) for _ in range(3)]
+    converted = qcore.quantize(NewPaths().eval(), batches[0], batches, backend=backend)
+    converted.train()  # the dropout too
+    narrow = (torch.randn(2, 4, 5, 1, generator=generator),)
+    with engine_settings_recorded() as settings:
+        expected = _outputs(converted, narrow) + _outputs(converted, batches[0])
+    assert settings == []
+    for engine in ENGINES:
+        with global_engine(engine):
+            got = _outputs(converted, narrow) + _outputs(converted, batches[0])
+        assert _differing(expected, got) == 0.0, engine
