@@ -49,16 +49,26 @@ def _data(count: int = 4) -> list[tuple[torch.Tensor]]:
     return [(torch.randn(2, 3, 12, 12, generator=generator),) for _ in range(count)]
 
 
-def _prepared(path: str, backend: str) -> torch.fx.GraphModule:
-    model, example = _model(), _data(1)[0]
+def _prepared(
+    path: str, backend: str, model: torch.nn.Module | None = None, batches: list | None = None
+) -> torch.fx.GraphModule:
+    """``model`` (the ConvNet) prepared on ``path`` and calibrated on ``batches``."""
+    model = model if model is not None else _model()
+    batches = batches if batches is not None else _data()
     if path == "pt2e":
-        prepared = qcore.prepare_pt2e(torch.export.export(model, example).module(), backend)
+        prepared = qcore.prepare_pt2e(torch.export.export(model, batches[0]).module(), backend)
     else:
-        prepared = qcore.prepare_fx(model, None, example, backend=backend)
+        prepared = qcore.prepare_fx(model, None, batches[0], backend=backend)
     with torch.no_grad():
-        for batch in _data():
+        for batch in batches:
             prepared(*batch)
     return prepared
+
+
+def _reference(prepared: torch.fx.GraphModule, path: str) -> torch.fx.GraphModule:
+    if path == "pt2e":
+        return qcore.convert_pt2e(prepared, lower=False)
+    return qcore.convert_to_reference_fx(prepared)
 
 
 def _sqnr(expected: torch.Tensor, actual: torch.Tensor) -> float:
@@ -74,11 +84,7 @@ def test_x86_compiles_the_reference_form_to_int8_kernels(path, recwarn):
 
     prepared = _prepared(path, "x86")
     before = copy.deepcopy(prepared.state_dict())
-    reference = (
-        qcore.convert_pt2e(prepared, lower=False)
-        if path == "pt2e"
-        else qcore.convert_to_reference_fx(prepared)
-    )
+    reference = _reference(prepared, path)
     torch._dynamo.reset()
     counters.clear()
     fast = qcore.compile(prepared)
@@ -452,20 +458,9 @@ def test_a_conv_whose_outputs_read_padding_only_is_kept_from_onednn(name, path):
     torch.manual_seed(0)
     conv = make()
     model = torch.nn.Sequential(conv, torch.nn.ReLU(), torch.nn.Conv2d(conv.out_channels, 4, 1))
-    model.eval()
-    batches = [torch.randn(shape) for _ in range(4)]
-    if path == "pt2e":
-        prepared = qcore.prepare_pt2e(torch.export.export(model, (batches[0],)).module(), "x86")
-    else:
-        prepared = qcore.prepare_fx(model, None, (batches[0],), backend="x86")
-    with torch.no_grad():
-        for batch in batches:
-            prepared(batch)
-    reference = (
-        qcore.convert_pt2e(prepared, lower=False)
-        if path == "pt2e"
-        else qcore.convert_to_reference_fx(prepared)
-    )
+    batches = [(torch.randn(shape),) for _ in range(4)]
+    prepared = _prepared(path, "x86", model.eval(), batches)
+    reference = _reference(prepared, path)
     torch._dynamo.reset()
     counters.clear()
     fast = qcore.compile(prepared)

@@ -28,10 +28,10 @@ from torch.fx import GraphModule, Node
 
 from qcore.config import BackendConfig
 from qcore.config.errors import ConfigError, describe
-from qcore.config.pattern import format_pattern
 from qcore.engine.match import (
     MatchAllNode,
     call_config_hook,
+    config_owner,
     extra_inputs_of,
     find_matches,
     is_match_all,
@@ -134,8 +134,8 @@ def fuse_graph(
         fused = call_config_hook(match.config, "fuser_method", fuser, is_qat, *parts)
         if not isinstance(fused, torch.nn.Module):
             raise ConfigError(
-                f"BackendPatternConfig({format_pattern(match.config.pattern_complex_format)})"
-                f".fuser_method {describe(fuser)} returned {describe(fused)}; expected the "
+                f"{config_owner(match.config)}.fuser_method {describe(fuser)} returned "
+                f"{describe(fused)}; expected the "
                 "fused module (fuser_method(is_qat, *modules) -> nn.Module)"
             )
         # a fused module made new (ConvReLU2d) starts in training mode; it takes the

@@ -194,7 +194,7 @@ def find_matches(
                 root = call_config_hook(config, "root_node_getter", getter, nested)
                 if root not in flat:
                     raise ConfigError(
-                        f"{_owner(config)}.root_node_getter returned {describe(root)}; "
+                        f"{config_owner(config)}.root_node_getter returned {describe(root)}; "
                         f"expected one of the nodes the pattern matched ({[n.name for n in flat]})"
                     )
             found = Match(config, nested, flat, root, node)
@@ -204,7 +204,8 @@ def find_matches(
     return matched
 
 
-def _owner(config: Any) -> str:
+def config_owner(config: Any) -> str:
+    """How errors name a BackendPatternConfig: by its pattern."""
     return f"BackendPatternConfig({format_pattern(config.pattern_complex_format)})"
 
 
@@ -217,7 +218,8 @@ def call_config_hook(config: Any, field: str, function: Any, *args: Any) -> Any:
         if type(error).__module__.startswith("qcore."):
             raise  # qcore's own fusers explain themselves (FusionError)
         raise ConfigError(
-            f"{_owner(config)}.{field} {describe(function)} raised {type(error).__name__}: {error}"
+            f"{config_owner(config)}.{field} {describe(function)} raised "
+            f"{type(error).__name__}: {error}"
         ) from error
 
 
@@ -226,7 +228,7 @@ def extra_inputs_of(config: Any, nested: Any) -> list[Any]:
     extra = call_config_hook(config, "extra_inputs_getter", config._extra_inputs_getter, nested)
     if not isinstance(extra, (list, tuple)):
         raise ConfigError(
-            f"{_owner(config)}.extra_inputs_getter returned {describe(extra)}; expected a "
+            f"{config_owner(config)}.extra_inputs_getter returned {describe(extra)}; expected a "
             "list of the pattern's extra inputs (nodes), empty if none"
         )
     return list(extra)

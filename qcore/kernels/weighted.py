@@ -134,6 +134,9 @@ class QuantizedConv(PackedWeights):
         conv = weighted_child(reference.module)
         self.dims = len(conv.kernel_size)
         self.stride, self.padding, self.dilation, self.groups = conv_geometry(conv)
+        self.checks_padding = may_read_padding_only(
+            list(conv.kernel_size), list(self.padding), list(self.dilation)
+        )
         self.relu = relu
         self.scale, self.zero_point = output.scale, output.zero_point
         self.description = (
@@ -150,9 +153,9 @@ class QuantizedConv(PackedWeights):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed, scale, zero_point = self._packed, self.scale, self.zero_point
-        kernel = list(self.weight_int.shape[2:])
-        if may_read_padding_only(kernel, self.padding, self.dilation) and reads_padding_only(
-            list(x.shape), kernel, self.stride, self.padding, self.dilation
+        # a conv pickled before the check: checked on every call
+        if getattr(self, "checks_padding", True) and reads_padding_only(
+            list(x.shape), list(self.weight_int.shape[2:]), self.stride, self.padding, self.dilation
         ):
             # oneDNN leaves such outputs as garbage (engine x86 or onednn)
             return conv_reference(
@@ -185,15 +188,17 @@ class QuantizedConv(PackedWeights):
         reference = _reference(match)
         engine = _conv_engine(reference, match)
         conv = weighted_child(reference.module)
-        found = recorded(match.root.args[0]) if match.root.args else None
-        shape = found[0] if found else None
-        trouble = onednn_conv_trouble(conv, shape)
-        if engine not in ("x86", "onednn") or trouble is None:
+        if engine not in ("x86", "onednn"):
             return cls(reference, match.output, relu, engine)
-        if padding_only_trouble(conv, shape) is not None:  # forward checks every call's size
+        found = recorded(match.root.args[0]) if match.root.args else None
+        trouble = padding_only_trouble(conv, found[0] if found else None)
+        if trouble is not None:  # forward checks every call's size
             kernel = cls(reference, match.output, relu, engine)
             kernel.lowering_note = f"computes as the reference does where {trouble}"
             return kernel
+        trouble = _multiplier_trouble(conv)
+        if trouble is None:
+            return cls(reference, match.output, relu, engine)
         kernel = cls(reference, match.output, relu, EXACT_ENGINE)
         kernel.lowering_note = f"runs on {EXACT_ENGINE}'s kernel: {trouble}"
         return kernel
@@ -232,12 +237,12 @@ def onednn_conv_trouble(
     (the one prepare recorded, if any), or None. Each case is 120-255 steps off the
     reference (or uninitialised memory) on an AVX512-VNNI CPU, as in torch.ao's
     models; no CPU check is made, so the rule holds wherever qcore runs."""
-    trouble = padding_only_trouble(conv, input_shape)
-    if trouble is not None:
-        return trouble
-    _, _, _, groups = conv_geometry(conv)
+    return padding_only_trouble(conv, input_shape) or _multiplier_trouble(conv)
+
+
+def _multiplier_trouble(conv: torch.nn.Module) -> str | None:
     multiplied = conv.out_channels > conv.in_channels
-    if len(conv.kernel_size) == 3 and groups == conv.in_channels > 1 and multiplied:
+    if len(conv.kernel_size) == 3 and conv.groups == conv.in_channels > 1 and multiplied:
         return "oneDNN's int8 depthwise conv3d with a channel multiplier is wrong on depth-1 inputs"
     return None
 

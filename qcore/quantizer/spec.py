@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
+from qcore.config.dtypes import value_range
 from qcore.config.errors import invalid
 
 __all__ = [
@@ -59,23 +60,17 @@ class QuantizationSpecBase:
     __slots__ = ()
 
 
-_INTEGER_RANGE = {
-    torch.quint8: (0, 255),
-    torch.qint8: (-128, 127),
-    torch.qint32: (-(2**31), 2**31 - 1),
-    torch.quint4x2: (0, 15),
-    **{
-        dtype: (int(torch.iinfo(dtype).min), int(torch.iinfo(dtype).max))
-        for dtype in (torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32)
-    },
-}
+def _integer_range(dtype: Any, otherwise: Any) -> tuple[Any, Any]:
+    """The values an integer ``dtype`` holds; ``(otherwise, otherwise)`` for others."""
+    found = value_range(dtype) if isinstance(dtype, torch.dtype) else None
+    return found[:2] if found is not None and found[2] else (otherwise, otherwise)
 
 
 def _check_range(owner: str, quant_min: Any, quant_max: Any, dtype: Any = None) -> None:
     for name, value in (("quant_min", quant_min), ("quant_max", quant_max)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise invalid(f"{owner}.{name}", value, "an int or None")
-        low, high = _INTEGER_RANGE.get(dtype, (value, value))
+        low, high = _integer_range(dtype, value)
         if value is not None and not low <= value <= high:
             # torchao's fake tensors would hold other values than the dtype holds
             raise invalid(f"{owner}.{name}", value, f"a value in {dtype}'s range [{low}, {high}]")
@@ -149,7 +144,7 @@ class FixedQParamsQuantizationSpec(QuantizationSpecBase):
             raise invalid(f"{owner}.scale", self.scale, "a finite float greater than 0")
         if isinstance(self.zero_point, bool) or not isinstance(self.zero_point, int):
             raise invalid(f"{owner}.zero_point", self.zero_point, "an int")
-        low, high = _INTEGER_RANGE.get(self.dtype, (self.zero_point, self.zero_point))
+        low, high = _integer_range(self.dtype, self.zero_point)
         low = low if self.quant_min is None else self.quant_min
         high = high if self.quant_max is None else self.quant_max
         if not low <= self.zero_point <= high:

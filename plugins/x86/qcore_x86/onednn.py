@@ -121,25 +121,30 @@ def _prepared_input_shape(match: KernelMatch, conv: nn.Module) -> list[int] | No
     return list(shape) if fits else None
 
 
-def _trouble_on_recorded_sizes(match: KernelMatch, conv: nn.Module) -> str | None:
-    """:func:`onednn_conv_trouble` on the conv's input as export recorded it. Where a
-    spatial size is dynamic, a dilated or over-padded conv may read padding only at
-    some size; its oneDNN kernel cannot check each call as qcore's FX kernels do."""
-    x = match.root.args[0] if match.root.args else None
-    found = recorded(x, example_sizes=True)
+def _conv_trouble(match: KernelMatch, conv: nn.Module, sizes_vary: bool) -> str | None:
+    """:func:`onednn_conv_trouble` on the conv's input as prepare recorded it. Where
+    the input's spatial size may vary (``sizes_vary``: FX, or a dynamic size in an
+    exported graph), a dilated or over-padded conv may read padding only at some
+    size, and these kernels cannot check each call as QuantizedConv does."""
+    found = recorded(match.root.args[0] if match.root.args else None, example_sizes=True)
     trouble = onednn_conv_trouble(conv, found[0] if found else None)
-    stride, padding, dilation, _ = conv_geometry(conv)
-    spatial = range(2, 2 + len(conv.kernel_size))
+    _, padding, dilation, _ = conv_geometry(conv)
     if (
         trouble is None
-        and dynamic_dims(x) & set(spatial)
+        and sizes_vary
         and may_read_padding_only(list(conv.kernel_size), list(padding), list(dilation))
     ):
         trouble = (
-            "a dilated conv on an input of dynamic spatial size: at some sizes its outputs "
-            "read zero padding only, which oneDNN's int8 conv leaves as garbage"
+            "a dilated conv on an input of dynamic spatial size (any, in an FX model): at "
+            "some sizes its outputs read zero padding only, which oneDNN's int8 conv leaves "
+            "as garbage"
         )
     return trouble
+
+
+def _dynamic_spatial_size(match: KernelMatch, conv: nn.Module) -> bool:
+    x = match.root.args[0] if match.root.args else None
+    return bool(dynamic_dims(x) & set(range(2, 2 + len(conv.kernel_size))))
 
 
 def _set_weight_qparams(kernel: PackedWeights) -> None:
@@ -238,7 +243,7 @@ class OnednnConv(_OnednnWeighted):
         self.description = (
             f"{conv.in_channels}, {conv.out_channels}, kernel_size={conv.kernel_size}"
         )
-        trouble = _trouble_on_recorded_sizes(match, conv)
+        trouble = _conv_trouble(match, conv, sizes_vary=_dynamic_spatial_size(match, conv))
         if trouble is not None:
             raise ValueError(trouble)
         if self.residual_add and self.dims != 2:
@@ -342,12 +347,7 @@ class OnednnPackedConvAdd(QuantizedConv):
         self.unary_scalars, self.unary_algorithm = [], ""
         conv = weighted_child(reference.module)
         self.packed_for_shape = _prepared_input_shape(match, conv)
-        trouble = onednn_conv_trouble(conv, self.packed_for_shape)
-        _, padding, dilation, _ = conv_geometry(conv)
-        if trouble is None and may_read_padding_only(
-            list(conv.kernel_size), list(padding), list(dilation)
-        ):  # unlike QuantizedConv's, this forward does not check each call's size
-            trouble = "a dilated conv: at some input sizes its outputs read zero padding only"
+        trouble = _conv_trouble(match, conv, sizes_vary=True)  # an FX model's may
         if trouble is not None:
             raise ValueError(trouble)
         super().__init__(reference, match.output, relu, "onednn")
