@@ -192,19 +192,19 @@ def _search(
     from qcore.pt2e.prepare import PT2E_STATE_KEY
 
     full_range = PT2E_STATE_KEY not in gm.meta or gm.meta[PT2E_STATE_KEY].full_range
-    # The input's qparams come from half the batches and the error from the other
-    # half: smoothing brings every channel near the range's edge, and an alpha whose
-    # range fits only the rows it was computed on clips unseen ones.
+    # Each candidate's s and the input's qparams come from half the batches and the
+    # error from the other half: smoothing brings every channel to the range's edge,
+    # and an alpha whose range fits only the rows it was computed on clips unseen
+    # ones (the deployed model's inputs), which an s from every row would hide.
     fit, x = _halves(stats.rows)
+    fit_absmax = fit.abs().amax(0)
     weights = [layers[node].weight.detach().float() for node in group]
     expected = [x @ w.t() for w in weights]
     errors = []
     candidates = (None, *SEARCH_ALPHAS)
     for alpha in candidates:
         scale = (
-            torch.ones_like(stats.absmax)
-            if alpha is None
-            else _scales(stats.absmax, weights, alpha)
+            torch.ones_like(fit_absmax) if alpha is None else _scales(fit_absmax, weights, alpha)
         )
         smoothed = x / scale
         observer = gm.get_submodule(group[0].args[0].target)
