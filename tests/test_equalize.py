@@ -229,3 +229,61 @@ def test_the_guides_qcore_algorithms_calls_work_after_a_bare_import():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.split() == ["equalized_pairs", "sqnr"]
+
+
+class ConvThenLinear(torch.nn.Module):
+    """A linear reading a conv's output mixes its last dimension (the width), not
+    the conv's channels: equalizing them as a pair changed the float function
+    (3.6 dB against the original model) when width and channels had one size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.conv(x)))
+
+
+@pytest.mark.parametrize("path", ["fx", "pt2e"])
+def test_a_conv_and_the_linear_after_it_are_not_a_pair(path):
+    model = ConvThenLinear().eval()
+    x = torch.randn(2, 3, 8, 8)
+    if path == "pt2e":
+        exported = torch.export.export(model, (x,)).module()
+        prepared = qcore.prepare_pt2e(exported, _any_backend())
+    else:
+        prepared = qcore.prepare_fx(model, None, (x,), backend=_any_backend())
+    equalized = qcore.equalize(prepared)
+    assert equalized_pairs(equalized) == ()
+    with torch.no_grad():
+        torch.testing.assert_close(equalized(x), model(x))
+
+
+class SharedReLU6(torch.nn.Module):
+    """One ReLU6 module between a and b, and again on the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.act = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.ReLU6()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.b(self.act(self.a(x))) * 3)
+
+
+def test_relu6_to_relu_replaces_the_crossed_call_alone():
+    """The ReLU6 module was swapped for ReLU at every call: the output's clip at 6,
+    which no pair crossed, went too (float output 17.7 dB against the original)."""
+    model = SharedReLU6().eval()
+    x = torch.randn(64, 8) * 3
+    prepared = qcore.prepare_fx(model, None, (x,), backend=_any_backend())
+    crossed = qcore.equalize(prepared, relu6_to_relu=True)
+    assert [(p.first, p.second) for p in equalized_pairs(crossed)] == [("a", "b")]
+    with torch.no_grad():
+        inside = torch.relu(model.a(x))  # what the crossed call computes now
+        expected = model.act(model.b(inside) * 3)
+        assert (model.b(inside) * 3 > 6).any()  # the output's clip matters
+        torch.testing.assert_close(crossed(x), expected, rtol=1e-4, atol=1e-5)
+    assert isinstance(crossed.act, torch.nn.ReLU6)

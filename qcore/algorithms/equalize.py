@@ -11,10 +11,11 @@ per-tensor quantization most (depthwise convolutions, MobileNet-style nets).
 
 Runs on a prepared model, FX or PT2E, before calibration: it rescales weights
 only, so observers see the equalized activations and no QConfig or backend
-constraint is touched. Equalized: conv -> conv (a depthwise conv on either side),
-conv -> linear and linear -> linear, with nothing between them but ReLU (or, when
-asked, ReLU6, replaced by ReLU as AIMET does: that changes the float function
-where activations exceed 6).
+constraint is touched. Equalized: conv -> conv (a depthwise conv on either side)
+and linear -> linear, with nothing between them but ReLU (or, when asked, ReLU6,
+replaced by ReLU as AIMET does: that changes the float function where activations
+exceed 6). A conv's channels are its output's dimension 1 and a linear reads the
+last one, so a conv and a linear in a row never share a channel axis.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ _DEAD = 1e-3  # a channel's range below this fraction of its layer's largest
 
 def _equalize_pair(first: Layer, second: Layer) -> EqualizedPair | None:
     r1 = _output_ranges(first)
-    r2 = _input_ranges(second, r1.numel())
+    r2 = _input_ranges(second, r1.numel()) if first.is_linear == second.is_linear else None
     if r2 is None:
         return None
     before = _spread(r1)
@@ -154,6 +155,13 @@ def _equalize_pair(first: Layer, second: Layer) -> EqualizedPair | None:
 def _replace_relu6(gm: GraphModule, nodes: list[Node]) -> None:
     for node in nodes:
         if node.op == "call_module":
+            # a ReLU6 module called elsewhere too keeps clipping there: this call
+            # gets a ReLU of its own
+            calls = sum(n.op == "call_module" and n.target == node.target for n in gm.graph.nodes)
+            if calls > 1:
+                node.target = _free_name(gm, f"{node.target}_as_relu")
+                gm.add_submodule(node.target, torch.nn.ReLU())
+                continue
             parent, _, attr = node.target.rpartition(".")
             setattr(gm.get_submodule(parent) if parent else gm, attr, torch.nn.ReLU())
         elif node.op == "call_function" and node.target in _RELU6:
@@ -161,6 +169,17 @@ def _replace_relu6(gm: GraphModule, nodes: list[Node]) -> None:
         else:
             node.target, node.args, node.kwargs = torch.relu, (node.args[0],), {}
     gm.recompile()
+
+
+def _free_name(gm: GraphModule, base: str) -> str:
+    name, suffix = base, 0
+    while True:
+        try:
+            gm.get_submodule(name)
+        except AttributeError:
+            return name
+        suffix += 1
+        name = f"{base}_{suffix}"
 
 
 def equalize(

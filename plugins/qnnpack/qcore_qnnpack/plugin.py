@@ -42,30 +42,23 @@ def qcore_default_qconfig_mapping(backend, is_qat):
 
 @hookimpl
 def qcore_recommended_algorithms(backend):
-    """Cross-layer equalization across ReLU6, then bias correction: what
+    """Cross-layer equalization, then bias correction: what
     ``qcore.quantize(..., algorithms="recommended")`` runs for ``qnnpack``.
 
     qnnpack quantizes weights per tensor: one wide output channel sets the scale
-    of the whole layer, and MobileNet-style depthwise convs (few weights per
-    channel, ranges spread wide) lose the narrow channels to rounding. Equalization
-    evens the channels' ranges; mobile nets put ReLU6 between their layers, so
-    equalization only reaches them with ``relu6_to_relu`` (AIMET's choice too);
-    correct_bias then removes the mean shift the rounding leaves. Measured
-    (benchmarks/ALGORITHMS.md, PT2E, held-out data): the one recipe that gains on
-    both MobileNetV2s (19.9 -> 20.5 dB and 2.8 -> 3.4 dB, where correct_bias alone
-    loses 0.1 and 0.5), +0.6 dB on the ResNet-style net, EfficientNet, ConvNeXt
-    and the transformer block within 0.1 dB (SiLU and GELU stop equalization),
-    the MLP -0.3 dB: +0.2 dB on average over the seven models measured (BERT fails
-    on qnnpack's PT2E path), the best mean of the recipes tried (correct_bias alone
-    +0.16). Far from the 2 dB issue 17 hoped for: see the benchmark.
+    of the whole layer. Equalization evens the channels' ranges where ReLUs alone
+    stand between layers; correct_bias then removes the mean shift the rounding
+    leaves. Equalization does not cross ReLU6 here (``relu6_to_relu``, AIMET's
+    choice, stays opt-in): it replaces ReLU6 by ReLU, which changes the float model
+    wherever activations pass 6, and a recommended recipe must keep the float
+    function. Crossing ReLU6 gained 0.1-0.7 dB on the example MobileNetV2s at
+    their own input scale and lost 16 dB at twice it (benchmarks/ALGORITHMS.md,
+    "qnnpack's recipe keeps ReLU6"); this recipe measured +0.2 dB on average over
+    the four example models at both scales (-0.5 to +1.3).
     """
     if backend != BACKEND:
         return None
     return [
-        AlgorithmStep(
-            "equalize",
-            {"relu6_to_relu": True},
-            reason="per-tensor weights: even out channel ranges (across ReLU6, as AIMET does)",
-        ),
+        AlgorithmStep("equalize", reason="per-tensor weights: even out channel ranges"),
         AlgorithmStep("correct_bias", reason="remove the output shift weight rounding leaves"),
     ]
