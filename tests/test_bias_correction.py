@@ -166,3 +166,42 @@ def test_empirical_correction_runs_the_graph_as_convert_computes_it(backend):
     # on the data it was corrected on; measuring the conv's output after relu_ had
     # rewritten it moved biases by the ReLU's cut: 28.5 -> 18.3 dB on resnet18_like
     assert after >= before - 0.1, (before, after)
+
+
+class CalledTwice(torch.nn.Module):
+    """fc1 runs twice: both calls' roundings shift the one bias they share."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = RoundsDown()
+        self.fc2 = torch.nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fc1 = self.inner.fc1
+        return self.fc2(torch.relu(fc1(torch.relu(fc1(x)))))
+
+
+@pytest.mark.parametrize("path", ["fx", "pt2e"])
+def test_fast_correction_of_a_layer_called_twice_shifts_its_bias_once(path):
+    """Each call's shift was added to the shared bias in turn: twice the shift the
+    layer's inputs, pooled over both calls, call for (16.2 against 24.1 dB)."""
+    backend = _backend()
+    model = CalledTwice().eval()
+    fc1 = model.inner.fc1
+    prepared = _calibrated(model, path, backend)
+    corrected = qcore.correct_bias(prepared, _data())
+    inputs = []
+    handle = fc1.register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
+    with torch.no_grad():
+        for batch in _data():
+            model(*batch)
+    handle.remove()
+    pooled_mean = torch.cat(inputs).mean(0)
+    rounding = torch.full_like(fc1.weight, 0.45 * 0.001)  # RoundsDown's weights
+    rounding[:, 0] = 0.5 * 0.001  # 127.5 steps, clamped to 127
+    expected = rounding @ pooled_mean
+    (shared_bias,) = [
+        value for name, value in corrected.state_dict().items() if name.endswith("fc1.bias")
+    ]
+    torch.testing.assert_close(shared_bias - fc1.bias, expected, rtol=1e-4, atol=1e-6)
+    assert len(corrected_biases(corrected)) == 2  # fc1 (once) and fc2

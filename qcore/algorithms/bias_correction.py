@@ -145,6 +145,21 @@ def _all_layers(gm: GraphModule) -> dict[Node, Layer]:
     return {node: layer for node, layer in found.items() if layer is not None}
 
 
+def _calls_by_bias(gm: GraphModule, layers: dict[Node, Layer]) -> dict[Any, list[Node]]:
+    """The layers' calls grouped by the bias a correction changes: a module's (FX),
+    a bias tensor several calls read (PT2E), or a call's own new one."""
+    calls: dict[Any, list[Node]] = {}
+    for node, layer in layers.items():
+        if node.op == "call_module":
+            home: Any = ("module", node.target)
+        elif layer.bias is not None:
+            home = ("tensor", id(layer.bias))
+        else:
+            home = ("call", node.name)
+        calls.setdefault(home, []).append(node)
+    return calls
+
+
 def _change(node: Node, shift: torch.Tensor, bias_before: torch.Tensor | None) -> CorrectedBias:
     before = 0.0 if bias_before is None else float(bias_before.abs().max())
     largest = float(shift.abs().max())
@@ -158,9 +173,15 @@ def _fast(gm, layers, qparams, prepared, calibration_data, input_fn) -> list[Cor
     record_inputs(recorder, prepared, calibration_data, input_fn, "correct_bias")
     changes = []
     with torch.no_grad():
-        for node, layer in layers.items():
-            twin = by_name[node.name]
-            mean = recorder.sums[twin] / recorder.counts[twin]
+        for calls in _calls_by_bias(gm, layers).values():
+            # one bias for several calls (a module called twice): one shift, from
+            # the mean of every call's input, not each call's shift added in turn
+            node, layer = calls[0], layers[calls[0]]
+            twins = [by_name[call.name] for call in calls]
+            total = sum(recorder.counts.get(twin, 0) for twin in twins)
+            if not total:  # not reached on this data
+                continue
+            mean = sum(recorder.sums[twin] for twin in twins if twin in recorder.sums) / total
             _, dequantized = fake_quantize(layer.weight, qparams[node])
             delta = (layer.weight.detach() - dequantized).float()
             shift = _shift(delta, mean, layer.groups, layer.is_linear).to(layer.weight.dtype)
