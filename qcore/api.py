@@ -526,7 +526,6 @@ def quantize(
     steps = resolve_algorithms(algorithms, backend)
     if keep_float_if_slower or steps:
         calibration_data = list(calibration_data)  # iterated once per candidate or pass
-    applied: list = []
 
     def build(mapping: Any) -> GraphModule:
         prepared = prepare_fx(model, mapping, example_inputs, backend)
@@ -537,13 +536,13 @@ def quantize(
             for args, kwargs in calibration_calls(model, calibration_data, input_fn):
                 prepared(*args, **kwargs)
         prepared, after = run_stage(prepared, steps, AFTER_CALIBRATION, calibration_data, input_fn)
-        applied[:] = before + after
-        return convert_fx(prepared)
+        converted = convert_fx(prepared)
+        if steps:  # each candidate its own: the last one built need not be the one chosen
+            record(converted, before + after)
+        return converted
 
     converted = build(qconfig_mapping)
     if not keep_float_if_slower and budget is None:
-        if steps:
-            record(converted, applied)
         return converted
     from qcore import keep_float, latency
 
@@ -576,8 +575,6 @@ def quantize(
         chosen = latency.keep_faster(
             build_keeping_float, found.names, latency.measure_latency(inputs), float_model=model
         )
-    if steps:
-        record(chosen, applied)
     return chosen
 
 

@@ -287,3 +287,32 @@ def test_a_step_keeps_its_own_options():
     step = qcore.AlgorithmStep("smooth_quant", options)
     options["alpha"] = 0.9
     assert step.describe() == "smooth_quant(alpha=0.5)"
+
+
+@pytest.mark.parametrize("extra_db", [8.0, 12.0])
+def test_with_a_budget_the_model_returned_reports_its_own_run(extra_db):
+    """applied_algorithms came from the last candidate the budget's search built:
+    with one linear left quantized, it said correct_bias changed 2."""
+    _installed_or_skip("x86")
+    torch.manual_seed(0)
+    widths = [16, 64, 64, 64, 8]
+    layers = []
+    for fan_in, fan_out in zip(widths[:-1], widths[1:], strict=True):
+        layers += [torch.nn.Linear(fan_in, fan_out), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers[:-1]).eval()
+    data = [(torch.randn(32, 16),) for _ in range(4)]
+    plain = qcore.quantize(model, data[0], data, "x86")
+    with torch.no_grad():
+        plain_db = sqnr(model(*data[0]), plain(*data[0]))
+    chosen = qcore.quantize(
+        model,
+        data[0],
+        data,
+        "x86",
+        algorithms=["correct_bias"],
+        accuracy_budget=qcore.MinSQNR(db=plain_db + extra_db),
+    )
+    quantized_linears = sum(type(m).__name__ == "QuantizedLinear" for m in chosen.modules())
+    assert quantized_linears < 4  # the budget kept some float
+    (ran,) = applied_algorithms(chosen)
+    assert ran.changed == quantized_linears
