@@ -23,6 +23,7 @@ from torch.fx import GraphModule, Node
 
 from qcore import ops
 from qcore.engine.custom_config import UnsupportedSetting
+from qcore.engine.in_place import eliminate_dead_code_keeping_state_writes
 from qcore.kernels.runtime import quiet_quantized_tensors
 
 __all__ = ["as_quantized", "output_values", "quantize_boundaries", "skip_requantize"]
@@ -105,7 +106,7 @@ def quantize_boundaries(
         return
     _dequantize_inputs(gm, input_indexes)
     _quantize_outputs(gm, output_indexes)
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code_keeping_state_writes(gm)
     gm.graph.lint()
     gm.recompile()
 

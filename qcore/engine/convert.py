@@ -22,6 +22,7 @@ from qcore.config.errors import caller_stacklevel
 from qcore.engine.backend_annotator import is_quantized_dtype
 from qcore.engine.constants import Constants, attribute, unobserved
 from qcore.engine.explain import Entry, Report, Status, attach_report, report_of
+from qcore.engine.in_place import eliminate_dead_code_keeping_state_writes
 from qcore.engine.observe import DerivedObserver
 from qcore.engine.prepare import STATE_KEY, PreparedState
 from qcore.engine.reference import QParams, ReferenceModule, qparams_of, weight_names
@@ -370,7 +371,7 @@ def convert_to_reference(
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target in observer_names:
             _replace_observer(gm, node, modules[node.target], full_range)
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code_keeping_state_writes(gm)
     _release_observers(gm, prepared, state.observer_names)
     delete_unused_submodules(gm)
     gm.recompile()

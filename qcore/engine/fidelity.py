@@ -121,20 +121,26 @@ def cloned(value: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _leaving_no_trace(gm: GraphModule) -> Iterator[None]:
+def _leaving_no_trace(gm: GraphModule) -> Iterator[Callable[[], None]]:
     """No autograd, the global RNG as before where ``gm`` may draw from it, and
-    ``gm``'s buffers (batch-norm statistics in training mode; the eager module shares
-    them) as before, once the block ends."""
+    ``gm``'s buffers (batch-norm statistics in training mode, a running sum the
+    forward updates; the eager module shares them) as before, once the block ends.
+    Yields a function putting the buffers back, for the run after the first: the
+    traced graph must start from the state the eager run started from."""
     buffers = {name: buffer.clone() for name, buffer in gm.named_buffers()}
-    rng = torch.random.fork_rng(devices=[]) if _may_draw(gm) else contextlib.nullcontext()
-    try:
-        with torch.no_grad(), rng:
-            yield
-    finally:
+
+    def rewind() -> None:
         with torch.no_grad():
             for name, buffer in gm.named_buffers():
                 if name in buffers and buffer.shape == buffers[name].shape:
                     buffer.copy_(buffers[name])
+
+    rng = torch.random.fork_rng(devices=[]) if _may_draw(gm) else contextlib.nullcontext()
+    try:
+        with torch.no_grad(), rng:
+            yield rewind
+    finally:
+        rewind()
 
 
 def _seeded_run(gm: GraphModule, function: Callable[..., Any], inputs: tuple) -> Any:
@@ -190,8 +196,9 @@ def probe(gm: GraphModule, eager: torch.nn.Module, example_inputs: tuple) -> Pro
     ``gm`` on copies of ``example_inputs``; None if either fails to run."""
     recorder = _RecordingInterpreter(gm)
     try:
-        with _leaving_no_trace(gm):
+        with _leaving_no_trace(gm) as rewind:
             eager_output = _seeded_run(gm, eager, example_inputs)
+            rewind()
             traced_output = _seeded_run(gm, recorder.run, example_inputs)
     except Exception:  # noqa: BLE001 - the user's forward: prepare's own probe says why
         return None
@@ -227,7 +234,7 @@ def _first_differing_module(gm: GraphModule, eager: torch.nn.Module, inputs: tup
 
     called = {node.target for node in gm.graph.nodes if node.op == "call_module"}
     try:
-        with _leaving_no_trace(gm):
+        with _leaving_no_trace(gm) as rewind:
             # the hooks sit on modules the traced graph calls too: off before it runs
             handles = [
                 eager.get_submodule(name).register_forward_hook(keep(name)) for name in called
@@ -237,6 +244,7 @@ def _first_differing_module(gm: GraphModule, eager: torch.nn.Module, inputs: tup
             finally:
                 for handle in handles:
                     handle.remove()
+            rewind()
             _seeded_run(gm, recorder.run, inputs)
     except Exception:  # noqa: BLE001 - they ran once already; nothing more to learn
         return None

@@ -29,7 +29,12 @@ from torch.fx import GraphModule, Node
 
 from qcore.engine.aliasing import AliasedWriteError, AliasRules, make_writes_visible
 
-__all__ = ["AliasedWriteError", "ProbedStorages", "make_traced_writes_visible"]
+__all__ = [
+    "AliasedWriteError",
+    "ProbedStorages",
+    "eliminate_dead_code_keeping_state_writes",
+    "make_traced_writes_visible",
+]
 
 
 @dataclass(frozen=True)
@@ -166,3 +171,40 @@ def make_traced_writes_visible(gm: GraphModule, storages: ProbedStorages | None 
     :class:`AliasedWriteError` for a write through a view whose memory is read after."""
     modules = dict(gm.named_modules())
     return make_writes_visible(gm, _rules(modules, storages))
+
+
+def _writes_caller_state(node: Node, modules: dict[str, torch.nn.Module]) -> bool:
+    """An in-place write (or an ``out=`` one) into a module's buffer or parameter, or
+    a caller's input, directly or through views of it: state a later call or the
+    caller reads."""
+    written = node.kwargs.get("out") if node.op == "call_function" else None
+    if node.args and isinstance(node.args[0], Node) and _writes(node, modules, None):
+        written = node.args[0]
+    return isinstance(written, Node) and _is_state(written)
+
+
+def _is_state(target: Node) -> bool:
+    """A buffer, a parameter or an input, or a view of one."""
+    while target.op in ("call_method", "call_function") and target.args:
+        is_view = (
+            target.target in _ALWAYS_VIEW_METHODS
+            if target.op == "call_method"
+            else target.target in _ALWAYS_VIEW_FUNCTIONS
+            or (target.target is operator.getitem and _is_basic_index(target.args[1]))
+        )
+        if not is_view or not isinstance(target.args[0], Node):
+            return False
+        target = target.args[0]
+    return target.op in ("get_attr", "placeholder")
+
+
+def eliminate_dead_code_keeping_state_writes(gm: GraphModule) -> None:
+    """torch.fx's dead-code pass, keeping writes into state (``self.acc.add_(y)``).
+
+    torch.fx takes every ``call_method`` for pure, and a running buffer's update has
+    no user when forward reads the buffer through a second ``get_attr``: convert
+    dropped it, and the int8 model's state never moved."""
+    modules = dict(gm.named_modules())
+    gm.graph.eliminate_dead_code(
+        is_impure_node=lambda node: node.is_impure() or _writes_caller_state(node, modules)
+    )

@@ -31,6 +31,7 @@ from qcore import ops
 from qcore.config.errors import QCoreWarning, caller_stacklevel
 from qcore.engine.explain import POST_OPS_KEY, Entry, Report, Status, attach_report, report_of
 from qcore.engine.float_islands import float_input_reason
+from qcore.engine.in_place import eliminate_dead_code_keeping_state_writes
 from qcore.engine.kernel_check import is_tested, recorded, sample_input, wrong_output
 from qcore.engine.reference import ReferenceModule
 from qcore.kernels.runtime import (
@@ -579,7 +580,7 @@ def lower(
     _fp16_weight_kernels_read_float32(gm)
     _views_as_reshapes(gm)
     lowering.read_shapes_from_int8()
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code_keeping_state_writes(gm)
     lowering.qparams_to_buffers()
     for node in gm.graph.nodes:
         if isinstance(node.type, str):  # `from __future__ import annotations` in the
