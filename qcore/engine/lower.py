@@ -469,13 +469,18 @@ class _Lowering:
             with self.graph.inserting_before(anchor):
                 scale, zero_point = self._qparams_attrs(f"{source.name}_input", qparams)
                 value = source
+                if not _is_float32_for_sure(source):
+                    # under torch.autocast a float op's output is bfloat16, which
+                    # torch.quantize_per_tensor refuses; .float() of float32 is itself
+                    value = self.graph.call_method("float", (source,))
+                    self.inserted.add(value)
                 if qparams.quant_range is not None:  # torch quantizes to the full range
                     bounds = self._tensors_for(
                         f"{source.name}_input",
                         low=(qparams.quant_range[0] - qparams.zero_point) * qparams.scale,
                         high=(qparams.quant_range[1] - qparams.zero_point) * qparams.scale,
                     )
-                    value = self.graph.call_function(torch.clamp, (source, *bounds))
+                    value = self.graph.call_function(torch.clamp, (value, *bounds))
                     self.inserted.add(value)
                 new = self.graph.call_function(
                     torch.quantize_per_tensor, (value, scale, zero_point, qparams.dtype)
@@ -620,6 +625,12 @@ def make_picklable(gm: GraphModule) -> None:
 
 def _is_method(node: Any, name: str) -> bool:
     return isinstance(node, Node) and node.op == "call_method" and node.target == name
+
+
+def _is_float32_for_sure(node: Node) -> bool:
+    """A model input (the PT2E guard, or the FX trace, fixes its dtype) or a
+    ``dequantize``'s result: no autocast region changes them."""
+    return node.op == "placeholder" or _is_method(node, "dequantize")
 
 
 def _is_to_float16(node: Any) -> bool:

@@ -203,7 +203,20 @@ class QuantizedMatmul(OutputKernel):
     """``torch.ops.quantized.matmul`` of two int8 tensors."""
 
     def forward(self, a: torch.Tensor, b: torch.Tensor, out: Any = None) -> torch.Tensor:
+        if not torch.jit.is_scripting() and self._under_autocast():
+            # torch's int8 matmul computes in float inside, which autocast makes
+            # bfloat16, and then fails to quantize it: compute as the reference does
+            product = torch.matmul(a.dequantize(), b.dequantize()).float()
+            return torch.quantize_per_tensor(product, self.scale, self.zero_point, a.dtype)
         return _matmul(a, b, self.scale, self.zero_point)
+
+    @torch.jit.unused
+    def _under_autocast(self) -> bool:
+        return torch.is_autocast_enabled("cpu")
+
+    # TorchScript reads this (never run) method's signature, and cannot resolve the
+    # string annotation ``from __future__ import annotations`` makes of bool
+    _under_autocast.__annotations__["return"] = bool
 
 
 def lower_matmul(match: KernelMatch):

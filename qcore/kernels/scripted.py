@@ -85,7 +85,8 @@ def conv_reference(
         y = F.conv3d(inputs, weight, bias, stride, padding, dilation, groups)
     if relu:
         y = torch.relu(y)
-    return torch.quantize_per_tensor(y, scale, zero_point, x.dtype)
+    # .float(): under torch.autocast the conv gives bfloat16, which quantize refuses
+    return torch.quantize_per_tensor(y.float(), scale, zero_point, x.dtype)
 
 
 # int8 weight, bias, stride, padding, output padding, dilation, groups, output scale
