@@ -31,7 +31,13 @@ from qcore import ops
 from qcore.config.errors import QCoreWarning, caller_stacklevel
 from qcore.engine.explain import POST_OPS_KEY, Entry, Report, Status, attach_report, report_of
 from qcore.engine.float_islands import float_input_reason
-from qcore.engine.kernel_check import is_tested, recorded, sample_input, wrong_output
+from qcore.engine.kernel_check import (
+    OUTPUT_QPARAMS_KEY,
+    is_tested,
+    recorded,
+    sample_input,
+    wrong_output,
+)
 from qcore.engine.reference import ReferenceModule
 from qcore.kernels.runtime import (
     EXACT_ENGINE,
@@ -317,14 +323,15 @@ class _Lowering:
         self._collapse(chain)
         self._wire_inputs(root)
         if returns_quantized:
+            root.meta[OUTPUT_QPARAMS_KEY] = match.output  # what `qcore check` holds it to
             self._publish(root, quantize, match.output)
 
     def _try_once(
         self, kernel: Any, module: torch.nn.Module, match: KernelMatch, returns_quantized: bool
     ) -> None:
         """Run a kernel qcore does not test on inputs of the recorded shapes; refuse
-        it unless its output has the recorded shape and promised kind
-        (:mod:`qcore.engine.kernel_check`)."""
+        it unless its output has the recorded shape and promised kind, and an int8
+        output the recorded dtype and qparams (:mod:`qcore.engine.kernel_check`)."""
         expected = recorded(match.nodes[-1], self.gm, example_sizes=True)
         call = self._sample_call(match.root)
         if expected is None or call is None:
@@ -332,7 +339,8 @@ class _Lowering:
         args, kwargs = call
         try:
             with torch.no_grad():
-                problem = wrong_output(module(*args, **kwargs), expected[0], returns_quantized)
+                output = module(*args, **kwargs)
+            problem = wrong_output(output, expected[0], returns_quantized, match.output)
         except Exception as error:
             problem = f"it raised {type(error).__name__} on inputs of the recorded shapes: {error}"
         if problem is not None:
