@@ -46,6 +46,7 @@ from qcore.kernels.runtime import (
     quiet_quantized_tensors,
     saturates_uint8_products,
 )
+from qcore.plugin.isolation import call_isolated
 from qcore.plugin.kernels import ActivationQParams, DynamicInput, KernelMatch, SameOp
 
 __all__ = ["lower"]
@@ -288,9 +289,10 @@ class _Lowering:
     def _apply(self, kernel: Any, chain: list[Node]) -> None:
         match, quantize = self._describe(kernel, chain)
         _check_activation_dtypes(kernel, match)
-        try:
-            result = kernel.lower(match)
-        except Exception as error:  # a kernel that cannot take this instance leaves it as is
+        # A kernel that cannot take this instance leaves it as is; one raising
+        # SystemExit too: a plugin never ends the user's process.
+        result, error = call_isolated(lambda: kernel.lower(match))
+        if error is not None:
             raise _Refused(f"{type(error).__name__}: {error}") from error
         root = chain[0]
         if isinstance(result, SameOp):
@@ -337,11 +339,14 @@ class _Lowering:
         if expected is None or call is None:
             return  # a size or other value with no recorded shape: nothing to try
         args, kwargs = call
-        try:
+
+        def problem_of_one_run() -> str | None:
             with torch.no_grad():
                 output = module(*args, **kwargs)
-            problem = wrong_output(output, expected[0], returns_quantized, match.output)
-        except Exception as error:
+            return wrong_output(output, expected[0], returns_quantized, match.output)
+
+        problem, error = call_isolated(problem_of_one_run)  # SystemExit too
+        if error is not None:
             problem = f"it raised {type(error).__name__} on inputs of the recorded shapes: {error}"
         if problem is not None:
             self.faulty.append(f"{match.root.name} ({kernel.name}): {problem}")

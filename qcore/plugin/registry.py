@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import functools
 import os
 import threading
 import warnings
@@ -38,6 +39,7 @@ from qcore.plugin.discovery import (
     in_process_spec,
     normalize,
 )
+from qcore.plugin.isolation import call_isolated
 from qcore.plugin.kernels import Kernel
 from qcore.plugin.markers import PLUGIN_API_VERSION, PROJECT_NAME
 from qcore.plugin.union import Conflict, unite
@@ -433,13 +435,10 @@ class BackendRegistry:
     def _guard(self, plugin: Plugin, function: Callable[[], T]) -> T | None:
         """``function()``; whatever it raises (but KeyboardInterrupt) marks
         ``plugin`` FAILED with that error, and None is returned."""
-        try:
-            return function()
-        except KeyboardInterrupt:
-            raise
-        except BaseException as error:  # SystemExit too: a plugin never ends the process
+        result, error = call_isolated(function)
+        if error is not None:
             plugin.state, plugin.error = PluginState.FAILED, error
-            return None
+        return result
 
     def _load(self, plugin: Plugin) -> None:
         if plugin.state is not PluginState.FOUND:
@@ -527,11 +526,9 @@ class BackendRegistry:
             function = self._hookimpl(plugin, hook_name)
             if function is None:
                 continue
-            try:
-                answer = function(backend=plugin.spec.backend, **kwargs)
-            except KeyboardInterrupt:
-                raise
-            except BaseException as error:  # SystemExit too
+            ask = functools.partial(function, backend=plugin.spec.backend, **kwargs)
+            answer, error = call_isolated(ask)
+            if error is not None:
                 failure = BackendLoadError(
                     f"backend {backend.name!r}: plugin {plugin.name} raised in {hook_name}: "
                     f"{type(error).__name__}: {error}"
