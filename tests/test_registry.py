@@ -95,6 +95,24 @@ def test_hook_returning_the_wrong_type_names_the_hook_and_value():
         registry(bad).get("bad")
 
 
+def test_two_configs_for_one_pattern_from_one_hook_are_refused():
+    """They were merged silently: the second's Conv2d root module landed on the
+    Linear pattern. torch.ao's BackendConfig refuses a pattern set twice."""
+    configs = [linear(INT8), linear(FP16, root_module=torch.nn.Conv2d)]
+    bad = spec("bad", "qcore-bad", plugin_module("bad", configs))
+    good = spec("good", "qcore-good", plugin_module("good", [linear(INT8)]))
+    reg = registry(bad, good)
+    with pytest.raises(
+        qcore.BackendLoadError,
+        match=r"plugin qcore-bad:bad .* raised in qcore_backend_pattern_configs: "
+        r"DuplicatePatternError: .* two BackendPatternConfigs for pattern Linear "
+        r"\(at index 0 and 1\)",
+    ) as error:
+        reg.get("bad")
+    assert isinstance(error.value.__cause__, qcore.config.errors.DuplicatePatternError)
+    assert reg.get("good").config.configs[0].root_module is None
+
+
 def test_misspelled_hook_is_a_load_error():
     module = plugin_module("typo", [linear(INT8)], qcore_backend_kernel=lambda backend: [])
     with pytest.raises(qcore.BackendLoadError, match="qcore_backend_kernel"):

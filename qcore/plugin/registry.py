@@ -27,7 +27,8 @@ from typing import Any, TypeVar
 import pluggy
 
 from qcore.config import BackendConfig, BackendPatternConfig
-from qcore.config.errors import QCoreWarning, describe
+from qcore.config.errors import DuplicatePatternError, QCoreWarning, describe
+from qcore.config.pattern import format_pattern
 from qcore.plugin import hookspecs
 from qcore.plugin.discovery import (
     BLOCK_PLUGINS_ENV,
@@ -599,6 +600,7 @@ def _check_pattern_configs(
     hook_name: str, plugin: Plugin, configs: list[BackendPatternConfig]
 ) -> None:
     """What uniting the configs needs, checked while the plugin can still be named."""
+    first_index: dict[Any, int] = {}  # pattern -> index of the config that set it
     for index, config in enumerate(configs):
         if config.pattern is None and config._pattern_complex_format is None:
             raise TypeError(
@@ -613,8 +615,24 @@ def _check_pattern_configs(
                 f"pattern {describe(config.pattern)} is unhashable; expected module classes, "
                 "functions, method names or tuples of them"
             ) from error
+        _refuse_second_config(hook_name, config.pattern_complex_format, index, first_index)
     # Uniting this plugin's configs alone runs what uniting them with the others will.
     unite(plugin.spec.backend, [(plugin.name, configs)])
+
+
+def _refuse_second_config(
+    hook_name: str, pattern: Any, index: int, first_index: dict[Any, int]
+) -> None:
+    """Record ``pattern``'s config at ``index``; raise where one came earlier. torch.ao's
+    BackendConfig refuses a pattern set twice; uniting them silently let the second
+    one's fields (a Conv2d root module on a Linear pattern) fill in the first's."""
+    if pattern in first_index:
+        raise DuplicatePatternError(
+            f"{hook_name}() returned two BackendPatternConfigs for pattern "
+            f"{format_pattern(pattern)} (at index {first_index[pattern]} and {index}); "
+            "expected one per pattern, with all its dtype configs"
+        )
+    first_index[pattern] = index
 
 
 def _load_error(name: str, failed: list[Plugin], usable: list[Plugin]) -> BackendLoadError:
