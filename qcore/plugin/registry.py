@@ -383,10 +383,10 @@ class BackendRegistry:
         """The union of every installed backend.
 
         Backends are united first-party first (those qcore publishes, in name
-        order), then the others in name order: where backends disagree on a
-        non-dtype field of a pattern (a fuser method, a fused module), a
-        first-party value is kept whatever else is installed. No plugin hook is
-        called with ``backend="native"``.
+        order), then the others in name order. A pattern a first-party backend's
+        own plugin configures takes nothing from any other plugin (a reported
+        conflict instead), so it is the same whatever else is installed. No plugin
+        hook is called with ``backend="native"``.
         """
         backends, left_out = [], []
         for name in self.names():
@@ -399,9 +399,7 @@ class BackendRegistry:
                     continue  # the user asked for it to stay out
                 left_out.append((name, str(error)))
         backends.sort(key=lambda backend: (not is_first_party(backend), backend.name))
-        config, conflicts = unite(
-            NATIVE, [(backend.name, backend.config.configs) for backend in backends]
-        )
+        config, conflicts = unite(NATIVE, *_native_sources(backends))
         if left_out:
             warnings.warn(
                 "'native' leaves out backends that failed to load: "
@@ -552,6 +550,30 @@ class BackendRegistry:
                 continue
             return (answer, plugin) if with_plugin else answer
         return None
+
+
+def _native_sources(
+    backends: list[Backend],
+) -> tuple[list[tuple[str, tuple[BackendPatternConfig, ...]]], set[str]]:
+    """Native's union sources in order, and the closed ones (:func:`unite`): a
+    first-party backend's owner contributes under the backend's name, closed; what
+    other distributions add to that backend, and third-party backends, contribute
+    as themselves, so they add nothing to a pattern first-party owners configure."""
+    sources: list[tuple[str, tuple[BackendPatternConfig, ...]]] = []
+    closed: set[str] = set()
+    for backend in backends:
+        if not is_first_party(backend):
+            sources.append((backend.name, tuple(backend.config.configs)))
+            continue
+        owner = owner_distribution(backend.name)
+        owners = {p.name for p in backend.plugins if normalize(p.spec.distribution) == owner}
+        for label, configs, _ in backend.contributions:
+            if label in owners:
+                sources.append((backend.name, configs))
+                closed.add(backend.name)
+            else:
+                sources.append((label, configs))
+    return sources, closed
 
 
 def _is_qconfig_mapping(value: Any) -> bool:
