@@ -21,8 +21,9 @@ patterns for its modules; explain leaves no float node unexplained.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch
 
 from qcore.config import BackendConfig
 from qcore.config.errors import QCoreWarning
+from qcore.engine.kernel_check import OUTPUT_QPARAMS_KEY, wrong_qparams
 
 __all__ = ["BackendConformance", "CHECKS", "CheckResult", "run_checks"]
 
@@ -187,13 +189,19 @@ def _check_one_kernel(name: str, kernel: Any, built: Any) -> None:
         else:
             raise _NotUsed(f"{pattern}: not used; " + "; ".join(tried))
         reference = qcore.convert_to_reference_fx(prepared)
+    node = _kernel_node(lowered, kernel.name, report)
+    recorded = node.meta.get(OUTPUT_QPARAMS_KEY) if node is not None else None
     # Under whatever global engine the process has: a kernel carries its engine.
-    with torch.no_grad():
+    with torch.no_grad(), _outputs_of(lowered, node) as kernel_outputs:
         got, expected = lowered(*built.inputs), reference(*built.inputs)
+    if recorded is not None:
+        _check_output_qparams(kernel.name, pattern, kernel_outputs, recorded)
     if isinstance(got, torch.Tensor) and got.is_quantized:
         got = got.dequantize()
     error = float((got - expected).abs().max())
-    step = float(getattr(_kernel_module(lowered, kernel.name, report), "scale", 0.0) or 0.0)
+    # The step of the qparams lowering recorded, never one the kernel claims: a
+    # kernel requantizing at a coarser scale must not widen its own tolerance.
+    step = recorded.scale if recorded is not None else 0.0
     if step and error > 2 * step + 1e-6:
         _fail(
             f"{pattern}: max difference {error:.3g} from the reference form "
@@ -216,6 +224,35 @@ def _check_one_kernel(name: str, kernel: Any, built: Any) -> None:
             f"{pattern}: max difference {error:.3g} from the reference form "
             f"exceeds {relative:.1%} of the largest output ({largest:.3g})"
         )
+
+
+@contextlib.contextmanager
+def _outputs_of(model: torch.nn.Module, node: Any) -> Iterator[list[Any]]:
+    """The outputs of the kernel module ``node`` calls, collected while the block runs."""
+    outputs: list[Any] = []
+    if node is None or node.op != "call_module":
+        yield outputs
+        return
+    handle = model.get_submodule(node.target).register_forward_hook(
+        lambda _module, _args, output: outputs.append(output)
+    )
+    try:
+        yield outputs
+    finally:
+        handle.remove()
+
+
+def _check_output_qparams(
+    kernel_name: str, pattern: str, outputs: list[Any], recorded: Any
+) -> None:
+    """Each int8 output of the kernel has the dtype and qparams lowering recorded: the
+    next op reads its integers at those, so values right at other qparams are wrong."""
+    for output in outputs:
+        if not (isinstance(output, torch.Tensor) and output.is_quantized):
+            continue
+        problem = wrong_qparams(output, recorded)
+        if problem is not None:
+            _fail(f"{pattern}: kernel {kernel_name}: {problem}")
 
 
 def _output_step(reference: Any) -> float:
@@ -273,7 +310,11 @@ def _summary(report: Any, width: int = 110) -> str:
     for entry in report.entries:
         if entry.status.value == "-":
             continue
-        why = _shortened(entry.kernel or entry.reason, width)
+        why = entry.kernel or entry.reason
+        # A kernel's refusal is what its author must read whole (what it returned,
+        # what was expected); QConfig rejections name a long DTypeConfig first.
+        if not why.startswith("kernel "):
+            why = _shortened(why, width)
         parts.append(
             f"{entry.op} {entry.status.value} ({why})"
             if why
@@ -379,11 +420,11 @@ def check_kernels_match_reference(name: str) -> str:
     return f"{checked} kernel patterns agree with the reference form{note}"
 
 
-def _kernel_module(model: torch.nn.Module, kernel_name: str, report: Any) -> Any:
+def _kernel_node(model: torch.nn.Module, kernel_name: str, report: Any) -> Any:
+    """The graph node the kernel ``kernel_name`` runs at, or None."""
     for entry in report.quantized:
         if entry.kernel == kernel_name:
-            node = next(n for n in model.graph.nodes if n.name == entry.node)
-            return model.get_submodule(node.target) if node.op == "call_module" else None
+            return next(n for n in model.graph.nodes if n.name == entry.node)
     return None
 
 

@@ -6,14 +6,18 @@ one that returns the wrong shape would otherwise pass convert and fail, or
 broadcast silently, in the user's forward. Lowering runs such a kernel on
 inputs of the shapes and qparams prepare recorded and refuses it (the pattern
 stays in reference form, and convert warns) unless its output has the recorded
-shape and the kind of tensor its class promises (int8, or float where it sets
-``returns_quantized = False``). Values are ``qcore check``'s job: random inputs
-say nothing about whether an output is right.
+shape, the kind of tensor its class promises (int8, or float where it sets
+``returns_quantized = False``) and, when int8, the dtype and qparams lowering
+recorded for its output: the next op reads the integers at those, so a kernel
+requantizing at another scale or to another dtype computes garbage downstream
+whatever its own values. Values are ``qcore check``'s job: random inputs say
+nothing about whether an output is right.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
@@ -23,10 +27,25 @@ from torch.fx import GraphModule, Node
 from qcore import ops
 from qcore.plugin.kernels import ActivationQParams, Kernel
 
-__all__ = ["TESTED_PACKAGES", "is_tested", "recorded", "sample_input", "wrong_output"]
+__all__ = [
+    "OUTPUT_QPARAMS_KEY",
+    "TESTED_PACKAGES",
+    "is_tested",
+    "recorded",
+    "sample_input",
+    "wrong_output",
+    "wrong_qparams",
+]
 
 TESTED_PACKAGES = frozenset({"qcore", "qcore_fbgemm", "qcore_qnnpack", "qcore_x86"})
 """The packages whose kernels qcore's own CI tests against the reference form."""
+
+OUTPUT_QPARAMS_KEY = "qcore_kernel_output_qparams"
+"""Node meta key: the ActivationQParams lowering recorded for a kernel module's int8
+output (``KernelMatch.output``), for ``qcore check`` to hold the kernel to."""
+
+# q_scale() is a double; a kernel may have kept the scale in float32 on the way.
+SCALE_RELATIVE_TOLERANCE = 1e-6
 
 # What stands between a value and the op reading it, in a graph being lowered.
 _DECOMPOSED = torch.ops.quantized_decomposed
@@ -115,8 +134,14 @@ def sample_input(
     return torch.quantize_per_tensor(value, qparams.scale, qparams.zero_point, qparams.dtype)
 
 
-def wrong_output(output: Any, expected: torch.Size, returns_quantized: bool) -> str | None:
-    """What is wrong with a kernel's ``output`` on inputs of the recorded shapes, or None."""
+def wrong_output(
+    output: Any,
+    expected: torch.Size,
+    returns_quantized: bool,
+    qparams: ActivationQParams | None = None,
+) -> str | None:
+    """What is wrong with a kernel's ``output`` on inputs of the recorded shapes, or None.
+    ``qparams``: what lowering recorded for the output (``KernelMatch.output``)."""
     if not isinstance(output, torch.Tensor):
         return f"it returned {type(output).__name__}, not a tensor"
     if output.is_quantized != returns_quantized:
@@ -127,4 +152,31 @@ def wrong_output(output: Any, expected: torch.Size, returns_quantized: bool) -> 
         return (
             f"it returned shape {tuple(output.shape)} where the reference gives {tuple(expected)}"
         )
+    if output.is_quantized and qparams is not None:
+        return wrong_qparams(output, qparams)
     return None
+
+
+def wrong_qparams(output: torch.Tensor, expected: ActivationQParams) -> str | None:
+    """How a kernel's int8 ``output`` departs from the dtype and per-tensor qparams
+    lowering recorded for it, or None."""
+    if output.qscheme() not in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        got = f"{_dtype_name(output.dtype)} with {output.qscheme()} qparams"
+    else:
+        scale, zero_point = output.q_scale(), output.q_zero_point()
+        same = (
+            output.dtype == expected.dtype
+            and math.isclose(scale, expected.scale, rel_tol=SCALE_RELATIVE_TOLERANCE)
+            and zero_point == expected.zero_point
+        )
+        if same:
+            return None
+        got = f"{_dtype_name(output.dtype)}, scale {scale:.6g}, zero point {zero_point}"
+    return (
+        f"it returned {got}; lowering recorded {_dtype_name(expected.dtype)}, "
+        f"scale {expected.scale:.6g}, zero point {expected.zero_point}"
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

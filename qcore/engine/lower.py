@@ -32,7 +32,13 @@ from qcore.config.errors import QCoreWarning, caller_stacklevel
 from qcore.engine.explain import POST_OPS_KEY, Entry, Report, Status, attach_report, report_of
 from qcore.engine.float_islands import float_input_reason
 from qcore.engine.in_place import eliminate_dead_code_keeping_state_writes
-from qcore.engine.kernel_check import is_tested, recorded, sample_input, wrong_output
+from qcore.engine.kernel_check import (
+    OUTPUT_QPARAMS_KEY,
+    is_tested,
+    recorded,
+    sample_input,
+    wrong_output,
+)
 from qcore.engine.reference import ReferenceModule
 from qcore.kernels.runtime import (
     EXACT_ENGINE,
@@ -41,6 +47,7 @@ from qcore.kernels.runtime import (
     quiet_quantized_tensors,
     saturates_uint8_products,
 )
+from qcore.plugin.isolation import call_isolated
 from qcore.plugin.kernels import ActivationQParams, DynamicInput, KernelMatch, SameOp
 
 __all__ = ["lower"]
@@ -283,9 +290,10 @@ class _Lowering:
     def _apply(self, kernel: Any, chain: list[Node]) -> None:
         match, quantize = self._describe(kernel, chain)
         _check_activation_dtypes(kernel, match)
-        try:
-            result = kernel.lower(match)
-        except Exception as error:  # a kernel that cannot take this instance leaves it as is
+        # A kernel that cannot take this instance leaves it as is; one raising
+        # SystemExit too: a plugin never ends the user's process.
+        result, error = call_isolated(lambda: kernel.lower(match))
+        if error is not None:
             raise _Refused(f"{type(error).__name__}: {error}") from error
         root = chain[0]
         if isinstance(result, SameOp):
@@ -318,23 +326,28 @@ class _Lowering:
         self._collapse(chain)
         self._wire_inputs(root)
         if returns_quantized:
+            root.meta[OUTPUT_QPARAMS_KEY] = match.output  # what `qcore check` holds it to
             self._publish(root, quantize, match.output)
 
     def _try_once(
         self, kernel: Any, module: torch.nn.Module, match: KernelMatch, returns_quantized: bool
     ) -> None:
         """Run a kernel qcore does not test on inputs of the recorded shapes; refuse
-        it unless its output has the recorded shape and promised kind
-        (:mod:`qcore.engine.kernel_check`)."""
+        it unless its output has the recorded shape and promised kind, and an int8
+        output the recorded dtype and qparams (:mod:`qcore.engine.kernel_check`)."""
         expected = recorded(match.nodes[-1], self.gm, example_sizes=True)
         call = self._sample_call(match.root)
         if expected is None or call is None:
             return  # a size or other value with no recorded shape: nothing to try
         args, kwargs = call
-        try:
+
+        def problem_of_one_run() -> str | None:
             with torch.no_grad():
-                problem = wrong_output(module(*args, **kwargs), expected[0], returns_quantized)
-        except Exception as error:
+                output = module(*args, **kwargs)
+            return wrong_output(output, expected[0], returns_quantized, match.output)
+
+        problem, error = call_isolated(problem_of_one_run)  # SystemExit too
+        if error is not None:
             problem = f"it raised {type(error).__name__} on inputs of the recorded shapes: {error}"
         if problem is not None:
             self.faulty.append(f"{match.root.name} ({kernel.name}): {problem}")

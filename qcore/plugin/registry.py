@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import functools
 import os
 import threading
 import warnings
@@ -26,7 +27,8 @@ from typing import Any, TypeVar
 import pluggy
 
 from qcore.config import BackendConfig, BackendPatternConfig
-from qcore.config.errors import QCoreWarning, describe
+from qcore.config.errors import DuplicatePatternError, QCoreWarning, describe
+from qcore.config.pattern import format_pattern
 from qcore.plugin import hookspecs
 from qcore.plugin.discovery import (
     BLOCK_PLUGINS_ENV,
@@ -38,6 +40,7 @@ from qcore.plugin.discovery import (
     in_process_spec,
     normalize,
 )
+from qcore.plugin.isolation import call_isolated
 from qcore.plugin.kernels import Kernel
 from qcore.plugin.markers import PLUGIN_API_VERSION, PROJECT_NAME
 from qcore.plugin.union import Conflict, unite
@@ -380,10 +383,10 @@ class BackendRegistry:
         """The union of every installed backend.
 
         Backends are united first-party first (those qcore publishes, in name
-        order), then the others in name order: where backends disagree on a
-        non-dtype field of a pattern (a fuser method, a fused module), a
-        first-party value is kept whatever else is installed. No plugin hook is
-        called with ``backend="native"``.
+        order), then the others in name order. A pattern a first-party backend's
+        own plugin configures takes nothing from any other plugin (a reported
+        conflict instead), so it is the same whatever else is installed. No plugin
+        hook is called with ``backend="native"``.
         """
         backends, left_out = [], []
         for name in self.names():
@@ -396,9 +399,7 @@ class BackendRegistry:
                     continue  # the user asked for it to stay out
                 left_out.append((name, str(error)))
         backends.sort(key=lambda backend: (not is_first_party(backend), backend.name))
-        config, conflicts = unite(
-            NATIVE, [(backend.name, backend.config.configs) for backend in backends]
-        )
+        config, conflicts = unite(NATIVE, *_native_sources(backends))
         if left_out:
             warnings.warn(
                 "'native' leaves out backends that failed to load: "
@@ -433,13 +434,10 @@ class BackendRegistry:
     def _guard(self, plugin: Plugin, function: Callable[[], T]) -> T | None:
         """``function()``; whatever it raises (but KeyboardInterrupt) marks
         ``plugin`` FAILED with that error, and None is returned."""
-        try:
-            return function()
-        except KeyboardInterrupt:
-            raise
-        except BaseException as error:  # SystemExit too: a plugin never ends the process
+        result, error = call_isolated(function)
+        if error is not None:
             plugin.state, plugin.error = PluginState.FAILED, error
-            return None
+        return result
 
     def _load(self, plugin: Plugin) -> None:
         if plugin.state is not PluginState.FOUND:
@@ -527,11 +525,9 @@ class BackendRegistry:
             function = self._hookimpl(plugin, hook_name)
             if function is None:
                 continue
-            try:
-                answer = function(backend=plugin.spec.backend, **kwargs)
-            except KeyboardInterrupt:
-                raise
-            except BaseException as error:  # SystemExit too
+            ask = functools.partial(function, backend=plugin.spec.backend, **kwargs)
+            answer, error = call_isolated(ask)
+            if error is not None:
                 failure = BackendLoadError(
                     f"backend {backend.name!r}: plugin {plugin.name} raised in {hook_name}: "
                     f"{type(error).__name__}: {error}"
@@ -554,6 +550,30 @@ class BackendRegistry:
                 continue
             return (answer, plugin) if with_plugin else answer
         return None
+
+
+def _native_sources(
+    backends: list[Backend],
+) -> tuple[list[tuple[str, tuple[BackendPatternConfig, ...]]], set[str]]:
+    """Native's union sources in order, and the closed ones (:func:`unite`): a
+    first-party backend's owner contributes under the backend's name, closed; what
+    other distributions add to that backend, and third-party backends, contribute
+    as themselves, so they add nothing to a pattern first-party owners configure."""
+    sources: list[tuple[str, tuple[BackendPatternConfig, ...]]] = []
+    closed: set[str] = set()
+    for backend in backends:
+        if not is_first_party(backend):
+            sources.append((backend.name, tuple(backend.config.configs)))
+            continue
+        owner = owner_distribution(backend.name)
+        owners = {p.name for p in backend.plugins if normalize(p.spec.distribution) == owner}
+        for label, configs, _ in backend.contributions:
+            if label in owners:
+                sources.append((backend.name, configs))
+                closed.add(backend.name)
+            else:
+                sources.append((label, configs))
+    return sources, closed
 
 
 def _is_qconfig_mapping(value: Any) -> bool:
@@ -602,6 +622,7 @@ def _check_pattern_configs(
     hook_name: str, plugin: Plugin, configs: list[BackendPatternConfig]
 ) -> None:
     """What uniting the configs needs, checked while the plugin can still be named."""
+    first_index: dict[Any, int] = {}  # pattern -> index of the config that set it
     for index, config in enumerate(configs):
         if config.pattern is None and config._pattern_complex_format is None:
             raise TypeError(
@@ -616,8 +637,24 @@ def _check_pattern_configs(
                 f"pattern {describe(config.pattern)} is unhashable; expected module classes, "
                 "functions, method names or tuples of them"
             ) from error
+        _refuse_second_config(hook_name, config.pattern_complex_format, index, first_index)
     # Uniting this plugin's configs alone runs what uniting them with the others will.
     unite(plugin.spec.backend, [(plugin.name, configs)])
+
+
+def _refuse_second_config(
+    hook_name: str, pattern: Any, index: int, first_index: dict[Any, int]
+) -> None:
+    """Record ``pattern``'s config at ``index``; raise where one came earlier. torch.ao's
+    BackendConfig refuses a pattern set twice; uniting them silently let the second
+    one's fields (a Conv2d root module on a Linear pattern) fill in the first's."""
+    if pattern in first_index:
+        raise DuplicatePatternError(
+            f"{hook_name}() returned two BackendPatternConfigs for pattern "
+            f"{format_pattern(pattern)} (at index {first_index[pattern]} and {index}); "
+            "expected one per pattern, with all its dtype configs"
+        )
+    first_index[pattern] = index
 
 
 def _load_error(name: str, failed: list[Plugin], usable: list[Plugin]) -> BackendLoadError:

@@ -14,12 +14,19 @@ The rule, per pattern:
   :class:`Conflict`: recorded on the result and shown by ``qcore show``,
   never dropped silently. A field the first source leaves unset is taken
   from the next source that sets it.
+
+For ``"native"`` the first-party backends' sources are ``closed``: a pattern one
+of them configures takes nothing from any other source (no dtype config, no
+field, set or unset there), so what native does with it never depends on which
+third-party plugins are installed; what a third party would have added is a
+:class:`Conflict` too. The closed sources are united first, in the order given,
+then the others; a pattern only the others configure is united from them alone.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +63,12 @@ class Conflict:
     ignored_value: Any
 
     def __str__(self) -> str:
+        if self.field == "dtype_configs":
+            ignored = ", ".join(map(repr, self.ignored_value))
+            return (
+                f"{self.pattern}: dtype_configs come from first-party backends only "
+                f"(first {self.kept_source}); {self.ignored_source}'s {ignored} ignored"
+            )
         return (
             f"{self.pattern}: {self.field.lstrip('_')} is {_name(self.kept_value)} from "
             f"{self.kept_source}; {self.ignored_source}'s {_name(self.ignored_value)} ignored"
@@ -67,41 +80,80 @@ def _name(value: Any) -> str:
 
 
 def unite(
-    name: str, sources: Sequence[tuple[str, Iterable[BackendPatternConfig]]]
+    name: str,
+    sources: Sequence[tuple[str, Iterable[BackendPatternConfig]]],
+    closed: Collection[str] = (),
 ) -> tuple[BackendConfig, list[Conflict]]:
     """Unite ``(source_label, pattern_configs)`` pairs, given in priority order.
 
-    Returns a new BackendConfig (the sources' objects are never modified) and
-    the conflicts found.
+    ``closed``: the labels of sources whose patterns take nothing from the other
+    sources (native's first-party backends). Returns a new BackendConfig (the
+    sources' objects are never modified) and the conflicts found.
     """
     merged: dict[Any, tuple[str, BackendPatternConfig]] = {}
+    closed_patterns: set[Any] = set()
     conflicts: list[Conflict] = []
-    for source, configs in sources:
+    ordered = [s for s in sources if s[0] in closed] + [s for s in sources if s[0] not in closed]
+    for source, configs in ordered:
         for config in configs:
             key = config.pattern_complex_format
             if key not in merged:
                 fresh = copy.copy(config)
                 fresh.dtype_configs = list(config.dtype_configs)
                 merged[key] = (source, fresh)
+                if source in closed:
+                    closed_patterns.add(key)
                 continue
-            first_source, kept = merged[key]
-            for dtype_config in config.dtype_configs:
-                if dtype_config not in kept.dtype_configs:
-                    kept.dtype_configs.append(dtype_config)
-            for field_name in _UNITED_FIELDS:
-                theirs = getattr(config, field_name)
-                ours = getattr(kept, field_name)
-                if theirs == ours or theirs in _UNSET:
-                    continue
-                if ours in _UNSET:
-                    setattr(kept, field_name, theirs)
-                else:
-                    conflicts.append(
-                        Conflict(
-                            format_pattern(key), field_name, first_source, ours, source, theirs
-                        )
-                    )
+            if key in closed_patterns and source not in closed:
+                conflicts.extend(_left_out(key, merged[key], source, config))
+            else:
+                conflicts.extend(_merge(key, merged[key], source, config))
     result = BackendConfig(name)
     for _, config in merged.values():
         result.set_backend_pattern_config(config)
     return result, conflicts
+
+
+def _merge(
+    key: Any, kept_from: tuple[str, BackendPatternConfig], source: str, config: BackendPatternConfig
+) -> list[Conflict]:
+    """``config``'s dtype configs and the fields ``kept`` leaves unset, added to it;
+    the fields both set differently, as conflicts."""
+    first_source, kept = kept_from
+    for dtype_config in config.dtype_configs:
+        if dtype_config not in kept.dtype_configs:
+            kept.dtype_configs.append(dtype_config)
+    conflicts = []
+    for field_name in _UNITED_FIELDS:
+        theirs, ours = getattr(config, field_name), getattr(kept, field_name)
+        if theirs == ours or theirs in _UNSET:
+            continue
+        if ours in _UNSET:
+            setattr(kept, field_name, theirs)
+        else:
+            conflicts.append(
+                Conflict(format_pattern(key), field_name, first_source, ours, source, theirs)
+            )
+    return conflicts
+
+
+def _left_out(
+    key: Any, kept_from: tuple[str, BackendPatternConfig], source: str, config: BackendPatternConfig
+) -> list[Conflict]:
+    """What ``config`` would have added to a closed pattern (``kept``), as conflicts:
+    nothing of it is taken."""
+    first_source, kept = kept_from
+    pattern = format_pattern(key)
+    conflicts = []
+    extra = tuple(d for d in config.dtype_configs if d not in kept.dtype_configs)
+    if extra:
+        conflicts.append(
+            Conflict(
+                pattern, "dtype_configs", first_source, tuple(kept.dtype_configs), source, extra
+            )
+        )
+    for field_name in _UNITED_FIELDS:
+        theirs, ours = getattr(config, field_name), getattr(kept, field_name)
+        if theirs != ours and theirs not in _UNSET:
+            conflicts.append(Conflict(pattern, field_name, first_source, ours, source, theirs))
+    return conflicts

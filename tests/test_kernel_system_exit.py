@@ -1,0 +1,108 @@
+"""A kernel raising SystemExit in ``lower`` or in its trial run at convert ended
+the user's process (lowering caught Exception only); the plugin guide promises a
+plugin never does. Now it is refused like any failing kernel (the op stays in
+reference form, explain says why); KeyboardInterrupt still stops convert."""
+
+import types
+import warnings
+
+import pytest
+import torch
+
+import qcore
+from qcore import BackendPatternConfig, DTypeConfig, ObservationType, hookimpl
+from qcore.config.qconfig import get_default_qconfig
+from qcore.plugin import BackendRegistry
+from qcore.plugin.kernels import Kernel
+
+INT8 = DTypeConfig(torch.quint8, torch.quint8, torch.qint8, torch.float)
+DEVICE_NOT_FOUND = "vendor runtime: device not found"
+
+
+class ExitsWhenRun(torch.nn.Module):
+    def forward(self, x):
+        raise SystemExit(DEVICE_NOT_FOUND)
+
+
+def exits_in_lower(match):
+    raise SystemExit(DEVICE_NOT_FOUND)
+
+
+def interrupted_in_lower(match):
+    raise KeyboardInterrupt
+
+
+LOWERINGS = {
+    "lower": exits_in_lower,
+    "trial run": lambda match: ExitsWhenRun(),
+    "interrupt": interrupted_in_lower,
+}
+
+
+def chip(lower):
+    plugin = types.ModuleType("exiting_chip_plugin")
+    plugin.QCORE_PLUGIN_API_VERSION = 1
+
+    @hookimpl
+    def qcore_backend_pattern_configs(backend):
+        return [
+            BackendPatternConfig(torch.nn.Linear)
+            .set_observation_type(ObservationType.OUTPUT_USE_DIFFERENT_OBSERVER_AS_INPUT)
+            .add_dtype_config(INT8)
+            .set_root_module(torch.nn.Linear)
+            .set_reference_quantized_module(torch.ao.nn.quantized.reference.Linear)
+        ]
+
+    @hookimpl
+    def qcore_backend_kernels(backend):
+        return [Kernel("chip.linear", torch.nn.Linear, "chip", lower)]
+
+    plugin.qcore_backend_pattern_configs = qcore_backend_pattern_configs
+    plugin.qcore_backend_kernels = qcore_backend_kernels
+    return plugin
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """A registry with no installed plugin: the chip's alone."""
+    fresh = BackendRegistry(find=lambda: [])
+    monkeypatch.setattr(qcore.plugin, "_default_registry", fresh)
+    return fresh
+
+
+def prepared(registry, where):
+    registry.register(chip(LOWERINGS[where]), name="chip")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4)).eval()
+    x = torch.randn(3, 8)
+    mapping = qcore.QConfigMapping().set_global(get_default_qconfig("x86"))
+    result = qcore.prepare_fx(model, mapping, (x,), backend="chip")
+    result(x)
+    return result, x
+
+
+@pytest.mark.parametrize(
+    ("where", "reason"),
+    [
+        ("lower", f"kernel chip.linear: SystemExit: {DEVICE_NOT_FOUND}"),
+        (
+            "trial run",
+            f"kernel chip.linear: it raised SystemExit on inputs of the recorded shapes: "
+            f"{DEVICE_NOT_FOUND}",
+        ),
+    ],
+)
+def test_a_kernel_raising_system_exit_is_refused(registry, where, reason):
+    model, x = prepared(registry, where)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qcore.QCoreWarning)
+        converted = qcore.convert_fx(model)  # before: SystemExit, the process ended
+    entry = qcore.explain(converted)["_0"]
+    assert entry.status.value == "reference"
+    assert entry.reason.startswith(reason)
+    assert converted(x).shape == (3, 4)
+
+
+def test_keyboard_interrupt_still_stops_convert(registry):
+    model, _ = prepared(registry, "interrupt")
+    with pytest.raises(KeyboardInterrupt):
+        qcore.convert_fx(model)
