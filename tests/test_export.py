@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from backends import FIRST_PARTY, backend_params
+from backends import FIRST_PARTY, backend_params, installed
 from export_cases import QUANTIZES, export_free_batch, reference_case
 from torch.utils._pytree import tree_leaves
 
@@ -56,3 +56,29 @@ def test_pt2e_reference_form_exports_saves_and_reloads(name, backend):
         for a, e in zip(actual, expected, strict=True):
             assert a.shape == e.shape
             assert torch.equal(a, e), (name, backend, (a - e).abs().max().item())
+
+
+def test_the_documented_lines_load_a_pt2_in_a_new_process(tmp_path):
+    """docs/deploy.md: a new process needs torch's quantized_decomposed ops
+    registered before torch.export.load reads the graph."""
+    import subprocess
+    import sys
+
+    backend = next((name for name in (*FIRST_PARTY, "onednn") if installed(name)), None)
+    if backend is None:
+        pytest.skip("needs a backend whose PT2E reference form exports")
+    case = reference_case("mlp", backend)
+    torch.export.save(export_free_batch(case.reference, case.inputs), tmp_path / "model.pt2")
+    torch.save((case.inputs, _run(case.reference, case.inputs)), tmp_path / "io.pt")
+    code = f"""
+import torch, warnings
+warnings.simplefilter("ignore", FutureWarning)
+import torch.ao.quantization.fx._decomposed  # noqa: F401  registers quantized_decomposed
+program = torch.export.load({str(tmp_path / "model.pt2")!r})
+inputs, expected = torch.load({str(tmp_path / "io.pt")!r})
+with torch.no_grad():
+    actual = program.module()(*inputs)
+actual = actual if isinstance(actual, (list, tuple)) else [actual]
+assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
