@@ -316,7 +316,7 @@ def adaround(
     twins = {n.name: n for n in recorder.module.graph.nodes}
     inputs = {node: _Inputs(_input_qparams(gm, node)) for node in layers}
     recorder.watched = {twins[node.name]: inputs[node] for node in layers}
-    record_inputs(recorder, prepared, calibration_data, input_fn, "adaround")
+    record_inputs(recorder, prepared, calibration_data, input_fn)
     shown = _Progress(progress)
     generator = torch.Generator().manual_seed(seed)
     results = []

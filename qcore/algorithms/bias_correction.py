@@ -23,6 +23,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from qcore.algorithms.layers import (
     Layer,
     layer_of,
+    positional_batches,
     record_inputs,
     single_use_layers,
     weight_qparams,
@@ -170,7 +171,7 @@ def _fast(gm, layers, qparams, prepared, calibration_data, input_fn) -> list[Cor
     recorder = _InputMeans(copy.deepcopy(gm), {})
     by_name = {n.name: n for n in recorder.module.graph.nodes}
     recorder.watched = {by_name[n.name]: layer.is_linear for n, layer in layers.items()}
-    record_inputs(recorder, prepared, calibration_data, input_fn, "correct_bias")
+    record_inputs(recorder, prepared, calibration_data, input_fn)
     changes = []
     with torch.no_grad():
         for calls in _calls_by_bias(gm, layers).values():
@@ -194,17 +195,9 @@ def _fast(gm, layers, qparams, prepared, calibration_data, input_fn) -> list[Cor
 
 
 def _empirical(gm, layers, qparams, prepared, calibration_data, input_fn) -> list[CorrectedBias]:
-    from qcore.calibration import calibration_calls
     from qcore.pt2e.prepare import PT2E_STATE_KEY
 
-    batches = []
-    for args, kwargs in calibration_calls(prepared, calibration_data, input_fn):
-        if kwargs:
-            raise TypeError(
-                "calibration_data: correct_bias runs the graph on positional inputs; "
-                f"batch {len(batches)} gave keyword arguments {sorted(kwargs)}"
-            )
-        batches.append(args)
+    batches = list(positional_batches(prepared, calibration_data, input_fn))
     had_bias = {node: layer.bias is not None for node, layer in layers.items()}
     for node, layer in list(layers.items()):
         if layer.bias is None:  # a zero bias to correct, read where the layer reads it

@@ -8,7 +8,8 @@ an aten op whose weight and bias are (observed) get_attr nodes. The passes of
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ __all__ = [
     "is_observer_module",
     "layer_name",
     "layer_of",
+    "positional_batches",
     "record_inputs",
     "single_use_layers",
     "tensor_of",
@@ -242,22 +244,33 @@ def _attribute(gm: GraphModule, target: str) -> Any:
         return None
 
 
+def positional_batches(
+    prepared: GraphModule, calibration_data: Any, input_fn: Callable[[Any], Any] | None
+) -> Iterator[tuple]:
+    """Each calibration batch (the forms ``qcore.quantize`` takes) as the positional
+    inputs of ``prepared``'s graph, in its placeholders' order: a dict batch's
+    keyword arguments (``input_ids=..., attention_mask=...``) go to the parameters
+    of those names. The passes run the graph with an Interpreter, which takes
+    positional inputs only."""
+    from qcore.calibration import calibration_calls
+
+    signature = inspect.signature(prepared.forward)
+    for args, kwargs in calibration_calls(prepared, calibration_data, input_fn):
+        if not kwargs:
+            yield args
+            continue
+        bound = signature.bind(*args, **kwargs)  # calibration_calls checked the names
+        bound.apply_defaults()
+        yield bound.args
+
+
 def record_inputs(
     recorder: Interpreter,
     prepared: GraphModule,
     calibration_data: Any,
     input_fn: Callable[[Any], Any] | None,
-    what: str,
 ) -> None:
     """Runs ``recorder`` on each calibration batch (the forms ``qcore.quantize`` takes)."""
-    from qcore.calibration import calibration_calls
-
     with torch.no_grad():
-        calls = calibration_calls(prepared, calibration_data, input_fn)
-        for index, (args, kwargs) in enumerate(calls):
-            if kwargs:
-                raise TypeError(
-                    f"calibration_data: {what} runs the graph on positional inputs; "
-                    f"batch {index} gave keyword arguments {sorted(kwargs)}"
-                )
+        for args in positional_batches(prepared, calibration_data, input_fn):
             recorder.run(*args)

@@ -331,7 +331,7 @@ def smooth_quant(
     twins = {n.name: n for n in recorder.module.graph.nodes}
     stats = {p: _Statistics(plans[p][0] == "search") for p in plans}
     recorder.watched = {twins[groups[p][0].name]: stats[p] for p in plans}
-    record_inputs(recorder, prepared, calibration_data, input_fn, "smooth_quant")
+    record_inputs(recorder, prepared, calibration_data, input_fn)
     # the search's candidates go into a copy's weights, never the model's
     scratch = copy.deepcopy(gm) if any(w == "search" for w, _ in plans.values()) else gm
     with torch.no_grad():
