@@ -183,7 +183,8 @@ class _AllowList:
             for name in dir(torch.Tensor)
             if _is_public_name(name) and callable(getattr(torch.Tensor, name, None))
         }
-        self.packages = set(_TRUSTED_PACKAGES) | _plugin_packages(backends)
+        plugin_packages, self.unserved_backends = _plugin_packages(backends)
+        self.packages = set(_TRUSTED_PACKAGES) | plugin_packages
 
     # functions -------------------------------------------------------------
 
@@ -310,6 +311,12 @@ class _AllowList:
         segments = qualname.split(".")
         names = [*module_name.split("."), *segments]
         if not trusted or any(not s.isidentifier() or s.startswith("__") for s in names):
+            if self.unserved_backends:  # most likely the class of a plugin missing here
+                raise RefusedFileError(
+                    f"{where}: class {key} comes from no package qcore.load trusts here, and "
+                    f"the file was saved for a backend this machine cannot serve: "
+                    f"{'; '.join(self.unserved_backends)}"
+                )
             raise RefusedFileError(
                 f"{where}: class {key} is not one qcore.load rebuilds (torch.nn, torch.ao.nn, "
                 "qcore and installed backend plugins); pass the class in allow=[...] if you "
@@ -398,18 +405,25 @@ def _describe_callable(value: Any) -> str:
     return f"{module}.{name}" if module else str(name)
 
 
-def _plugin_packages(backends: Iterable[str]) -> set[str]:
-    """Top-level packages of the plugins serving ``backends`` (loading them)."""
+def _plugin_packages(backends: Iterable[str]) -> tuple[set[str], list[str]]:
+    """Top-level packages of the plugins serving ``backends`` (loading them), and
+    for each backend no plugin here serves, why."""
     from qcore.plugin import BackendLoadError, UnknownBackendError, get_backend, list_backends
 
     packages: set[str] = set()
+    unserved: list[str] = []
     installed = set(list_backends())
     for name in backends:
         if name not in installed:
+            unserved.append(
+                f"backend {name!r} is not installed here (pip install its plugin, or take it "
+                "out of QCORE_BLOCK_PLUGINS)"
+            )
             continue
         try:
             backend = get_backend(name)
-        except (UnknownBackendError, BackendLoadError):
+        except (UnknownBackendError, BackendLoadError) as error:
+            unserved.append(f"backend {name!r} does not load here: {error}")
             continue
         for plugin in backend.plugins:
             obj = plugin.obj
@@ -420,7 +434,7 @@ def _plugin_packages(backends: Iterable[str]) -> set[str]:
             package = str(module or "").split(".")[0]
             if package and package not in sys.stdlib_module_names and package != "torch":
                 packages.add(package)
-    return packages
+    return packages, unserved
 
 
 def _register_decomposed_ops() -> None:

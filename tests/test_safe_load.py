@@ -265,6 +265,24 @@ def test_an_allowed_dataclass_keeps_what_is_set_beside_its_fields(tmp_path):
     _assert_identical(model(x), loaded(x))
 
 
+def test_a_file_for_a_backend_missing_here_says_so(tmp_path, monkeypatch):
+    """A vendor backend's file loaded where its plugin is not installed (or is
+    blocked) was refused as an untrusted class, with advice to pass allow=[...],
+    which cannot import it: the message now names the backend and why."""
+    from qcore import serialization
+
+    model = _Configured().eval()  # stands in for a vendor kernel's class
+    path = tmp_path / "vendor.qcore"
+    monkeypatch.setattr(serialization, "_backends_of", lambda model: ["nochip"])
+    qcore.save(model, path, allow=[_Configured, _Settings])
+    with pytest.raises(
+        qcore.RefusedFileError,
+        match=r"class .*_Configured comes from no package qcore.load trusts here, and the file "
+        r"was saved for a backend this machine cannot serve: backend 'nochip' is not installed",
+    ):
+        qcore.load(path)
+
+
 def test_a_model_with_hooks_is_refused_by_save(tmp_path):
     converted = _tiny_converted()
     converted.linear.register_forward_hook(lambda *args: None)
