@@ -295,8 +295,9 @@ def _check_float32(annotations: dict[Node, QuantizationAnnotation]) -> None:
                 raise ValueError(
                     f"model: node {point.name!r} computes in {dtype} and would be quantized; "
                     "FX quantization takes float32 models (torch.ao's convert refuses the "
-                    "others too). Call model.float() and pass float32 inputs, or use "
-                    "prepare_pt2e, which keeps the model's dtype around its int8 ops."
+                    "others too). Call model.float() and pass float32 inputs, or, for a "
+                    "bfloat16 or float16 model, use prepare_pt2e, which keeps the model's "
+                    "dtype around its int8 ops."
                 )
 
 

@@ -231,6 +231,27 @@ def _is_tensor_output(node: Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
 
+_QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_quantizable_dtypes(annotations: dict) -> None:
+    """The quantize ops take float32, bfloat16 and float16: a float64 value to be
+    quantized is an error naming it here, not a bare assertion at convert (torchao's
+    too)."""
+    for node, annotation in annotations.items():
+        points = [arg for arg, spec in annotation.input_qspec_map.items() if spec is not None]
+        if annotation.output_qspec is not None:
+            points.append(node)
+        for point in points:
+            dtype = getattr(point.meta.get("val"), "dtype", torch.float32)
+            if dtype.is_floating_point and dtype not in _QUANTIZABLE:
+                raise ValueError(
+                    f"model: node {point.name!r} computes in {dtype} and would be quantized; "
+                    "the quantize ops take float32, bfloat16 and float16 values. Export the "
+                    "model in one of those (model.float() and float32 inputs, say)."
+                )
+
+
 def _prepare_graph(
     gm: GraphModule, chosen: Quantizer, is_qat: bool
 ) -> tuple[GraphModule, ObserverPlan]:
@@ -245,6 +266,7 @@ def _prepare_graph(
     gm = chosen.annotate(gm)
     chosen.validate(gm)
     annotations = annotations_of(gm, foreign=foreign)
+    _check_quantizable_dtypes(annotations)
     if foreign:
         check_no_tensor_kwargs(annotations)
     buffers = {name for name, _ in gm.named_buffers(remove_duplicate=False)}
