@@ -389,7 +389,7 @@ def check_kernels_match_reference(name: str) -> str:
         except ConformanceFailure as failure:
             _add(failed, kernel.name, str(failure))
             continue
-        except Exception as error:  # a kernel's or model's error: report it with the rest
+        except (Exception, SystemExit) as error:  # a kernel's or model's: report it with the rest
             first_line = f"{type(error).__name__}: {error}".splitlines()[0]
             _add(failed, kernel.name, f"{pattern}: {first_line}")
             continue
@@ -559,7 +559,7 @@ def run_checks(name: str) -> list[CheckResult]:
     for label, check in CHECKS.items():
         try:
             results.append(CheckResult(label, True, check(name)))
-        except Exception as error:  # report every check, whatever it raised
+        except (Exception, SystemExit) as error:  # report every check (a plugin never ends it)
             results.append(CheckResult(label, False, f"{type(error).__name__}: {error}"))
     return results
 

@@ -106,3 +106,18 @@ def test_keyboard_interrupt_still_stops_convert(registry):
     model, _ = prepared(registry, "interrupt")
     with pytest.raises(KeyboardInterrupt):
         qcore.convert_fx(model)
+
+
+def test_qcore_check_reports_a_kernel_raising_system_exit(registry, monkeypatch):
+    """A kernel that skips the trial run (qcore's own, here pretended) and raises
+    SystemExit when check runs it ended `qcore check` (it caught Exception only)."""
+    import qcore.engine.lower
+    from qcore.conformance import run_checks
+
+    registry.register(chip(LOWERINGS["trial run"]), name="chip")
+    monkeypatch.setattr(qcore.engine.lower, "is_tested", lambda kernel: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = run_checks("chip")
+    failed = [result for result in results if not result.passed]
+    assert any("SystemExit" in r.detail and DEVICE_NOT_FOUND in r.detail for r in failed), failed

@@ -4,6 +4,7 @@ Real installs are covered by test_installed_plugins.py under tox.
 """
 
 import types
+import warnings
 
 import importlib_metadata
 import pytest
@@ -14,6 +15,7 @@ from qcore import BackendPatternConfig, DTypeConfig, ObservationType, hookimpl
 from qcore.config.errors import ConfigError
 from qcore.plugin import BackendRegistry, PluginState
 from qcore.plugin.discovery import PluginSpec, find_entry_point_plugins
+from qcore.plugin.kernels import Kernel
 
 INT8 = DTypeConfig(torch.quint8, torch.quint8, torch.qint8, torch.float)
 FP16 = DTypeConfig(torch.float16, torch.float16, torch.float16, torch.float16)
@@ -260,6 +262,36 @@ def test_native_takes_nothing_from_third_parties_on_first_party_patterns():
         and "(first fbgemm); vendor's DTypeConfig(input_dtype=torch.qint8" in str(c)
         for c in native.conflicts
     )
+
+
+def test_native_runs_first_party_kernels_alone_on_first_party_patterns():
+    """Native's configs were closed to third parties on first-party patterns, its
+    kernels not: a vendor's Linear kernel, tried after a first-party one refused an
+    op, would lower it in native once the vendor was installed."""
+
+    def kernels(*offered):
+        return {"qcore_backend_kernels": lambda backend: list(offered)}
+
+    def kernel(name, pattern):
+        return Kernel(name=name, pattern=pattern, engine="fbgemm", lower=lambda match: None)
+
+    first = kernel("x86.linear", torch.nn.Linear)
+    owner = spec("x86", "qcore-x86", plugin_module("x86", [linear(INT8)], **kernels(first)))
+    vendor_linear, vendor_conv = kernel("v.linear", torch.nn.Linear), kernel("v.conv", "conv")
+    vendor = spec(
+        "vendor",
+        "qcore-vendor",
+        plugin_module("vendor", [linear(INT8)], **kernels(vendor_linear, vendor_conv)),
+    )
+    extension = spec(
+        "x86", "qcore-ext", plugin_module("ext", [], **kernels(kernel("e.linear", torch.nn.Linear)))
+    )
+    reg = registry(owner, vendor, extension)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qcore.QCoreWarning)
+        native = reg.get("native")
+    assert [k.name for k in native.kernels] == ["x86.linear", "v.conv"]
+    assert [k.name for k in reg.get("vendor").kernels] == ["v.linear", "v.conv"]
 
 
 def test_get_backend_config_returns_a_copy():

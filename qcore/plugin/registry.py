@@ -416,7 +416,7 @@ class BackendRegistry:
                 stacklevel=4,
             )
         plugins = tuple(plugin for backend in backends for plugin in backend.plugins)
-        kernels = tuple(kernel for backend in backends for kernel in backend.kernels)
+        kernels = _native_kernels(backends)
         contributions = tuple(c for backend in backends for c in backend.contributions)
         return Backend(
             NATIVE,
@@ -574,6 +574,30 @@ def _native_sources(
             else:
                 sources.append((label, configs))
     return sources, closed
+
+
+def _native_kernels(backends: list[Backend]) -> tuple[Kernel, ...]:
+    """Native's kernels, in union order: a pattern a first-party backend's owner
+    configures or implements runs only first-party kernels, so a vendor's kernel
+    cannot take an op there that a first-party kernel refused (it would change what
+    native does to it once the vendor is installed)."""
+    owned: list[Kernel] = []
+    others: list[Kernel] = []
+    closed_patterns: set[Any] = set()
+    for backend in backends:
+        if not is_first_party(backend):
+            others.extend(backend.kernels)
+            continue
+        owner = owner_distribution(backend.name)
+        owners = {p.name for p in backend.plugins if normalize(p.spec.distribution) == owner}
+        for label, configs, offered in backend.contributions:
+            if label in owners:
+                owned.extend(offered)
+                closed_patterns.update(config.pattern for config in configs)
+                closed_patterns.update(kernel.pattern for kernel in offered)
+            else:
+                others.extend(offered)
+    return (*owned, *(kernel for kernel in others if kernel.pattern not in closed_patterns))
 
 
 def _is_qconfig_mapping(value: Any) -> bool:
