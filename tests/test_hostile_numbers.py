@@ -388,3 +388,22 @@ def test_a_weight_holding_nan_is_named_at_convert():
         qcore.convert_fx(prepared)
     named = [str(w.message) for w in caught if "weights hold NaN or inf" in str(w.message)]
     assert len(named) == 1 and "0.weight (1 of 216)" in named[0]
+
+
+def test_a_weight_holding_nan_is_named_at_pt2e_convert():
+    """PT2E's weight observers see the weight at calibration: convert said
+    "calibration gave 1 NaN ... (of '_0_weight')" as if data had met it."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    with torch.no_grad():
+        model[2].weight[1, 3] = math.nan
+    x = torch.randn(4, 8)
+    prepared = qcore.prepare_pt2e(torch.export.export(model.eval(), (x,)).module(), "fbgemm")
+    prepared(x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qcore.convert_pt2e(prepared)
+    messages = [str(w.message) for w in caught]
+    named = [m for m in messages if "weights hold NaN or inf" in m]
+    assert len(named) == 1 and "2.weight (1 of 32)" in named[0], messages
+    # the activations the NaN reached are the calibration warning's; the weight not
+    assert not any("calibration gave" in m and "weight" in m for m in messages), messages

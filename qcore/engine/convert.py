@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import warnings
 from typing import Any
 
 import torch
@@ -18,7 +17,6 @@ from torch.fx import GraphModule, Node
 from torch.nn.utils import parametrize
 
 from qcore import ops
-from qcore.config.errors import caller_stacklevel
 from qcore.engine.backend_annotator import is_quantized_dtype
 from qcore.engine.constants import Constants, attribute, unobserved
 from qcore.engine.explain import Entry, Report, Status, attach_report, report_of
@@ -27,7 +25,7 @@ from qcore.engine.observe import DerivedObserver
 from qcore.engine.prepare import STATE_KEY, PreparedState
 from qcore.engine.reference import QParams, ReferenceModule, qparams_of, weight_names
 from qcore.engine.trace import delete_unused_submodules
-from qcore.observers.nonfinite import NonFiniteValuesWarning, check_observers
+from qcore.observers.nonfinite import check_observers, warn_of_nonfinite_weights
 
 __all__ = ["convert_to_reference", "state_of"]
 
@@ -109,10 +107,9 @@ def _swap_reference_modules(gm: GraphModule, state: PreparedState) -> None:
 
 
 def _warn_of_nonfinite_weights(modules: dict[str, torch.nn.Module], state: PreparedState) -> None:
-    """One warning naming each weight to be quantized that holds NaN or inf: its
-    integers are garbage while the float model gives NaN, and the calibration
-    warning names only the activations that met it (torch.ao fails in histc)."""
-    found = []
+    """Each weight to be quantized that holds NaN or inf, named (the calibration
+    warning names only the activations that met it; torch.ao fails in histc)."""
+    weights = []
     for accepted in state.accepted:
         module = modules.get(accepted.root_target) if accepted.root_op == "call_module" else None
         if module is None:
@@ -122,20 +119,10 @@ def _warn_of_nonfinite_weights(modules: dict[str, torch.nn.Module], state: Prepa
         for name in names:
             owner_name, _, attr = name.rpartition(".")
             weight = getattr(module.get_submodule(owner_name) if owner_name else module, attr)
-            if not isinstance(weight, torch.Tensor):
-                continue
-            bad = int((~torch.isfinite(weight.detach())).sum())
-            if bad:
+            if isinstance(weight, torch.Tensor):
                 shown = name.removeprefix("0.")  # a fused module's conv or linear: the user's
-                found.append(f"{accepted.root_target}.{shown} ({bad} of {weight.numel()})")
-    if found:
-        warnings.warn(
-            f"convert: weights hold NaN or inf values: {'; '.join(dict.fromkeys(found))}. "
-            "Their int8 values are meaningless (the float model's outputs are NaN or inf "
-            "too); fix the float model's weights before quantizing.",
-            NonFiniteValuesWarning,
-            stacklevel=caller_stacklevel(),
-        )
+                weights.append((f"{accepted.root_target}.{shown}", weight))
+    warn_of_nonfinite_weights(weights, "convert")
 
 
 _FUNCTIONAL_WEIGHTED: dict[Any, type[torch.nn.Module]] = {

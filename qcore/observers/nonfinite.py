@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -44,9 +44,11 @@ __all__ = [
     "NonFiniteStatisticsError",
     "NonFiniteValuesWarning",
     "check_observers",
+    "constants_observed",
     "finite_aminmax",
     "finite_aminmax_rows",
     "skipped_count",
+    "warn_of_nonfinite_weights",
 ]
 
 _STATISTICS = ("min_val", "max_val", "histogram")
@@ -176,16 +178,68 @@ def _observed_nodes(
     of the nodes whose values it saw)."""
     observed: dict[str, tuple[nn.Module, list[str]]] = {}
     for prefix, gm, observer_names in graphs:
-        names = set(observer_names)
-        for node in gm.graph.nodes:
-            if node.op != "call_module" or node.target not in names or not node.args:
-                continue
-            key = f"{prefix}.{node.target}" if prefix else node.target
+        for key, node in _observer_calls(prefix, gm, observer_names):
             if key not in observed:
                 observed[key] = (gm.get_submodule(node.target), [])
             source = node.args[0]
             observed[key][1].append(getattr(source, "name", str(source)))
     return observed
+
+
+def _observer_calls(
+    prefix: str, gm: torch.fx.GraphModule, observer_names: Iterable[str]
+) -> Iterator[tuple[str, torch.fx.Node]]:
+    """(prefixed observer name, the call) for each call of an observer of ``gm``."""
+    names = set(observer_names)
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and node.target in names and node.args:
+            yield (f"{prefix}.{node.target}" if prefix else node.target), node
+
+
+def _observes_constants_only(graphs: Iterable[tuple], key: str) -> bool:
+    calls = [
+        node for prefix, gm, names in graphs for k, node in _observer_calls(prefix, gm, names)
+        if k == key
+    ]  # fmt: skip
+    return all(getattr(node.args[0], "op", None) == "get_attr" for node in calls)
+
+
+def warn_of_nonfinite_weights(weights: Iterable[tuple[str, torch.Tensor]], stage: str) -> None:
+    """One warning naming each weight to be quantized (``(name, tensor)``) that
+    holds NaN or inf: its integers are garbage while the float model gives NaN."""
+    found = []
+    for name, weight in weights:
+        bad = int((~torch.isfinite(weight.detach())).sum())
+        if bad:
+            found.append(f"{name} ({bad} of {weight.numel()})")
+    if found:
+        warnings.warn(
+            f"{stage}: weights hold NaN or inf values: {'; '.join(dict.fromkeys(found))}. "
+            "Their int8 values are meaningless (the float model's outputs are NaN or inf "
+            "too); fix the float model's weights before quantizing.",
+            NonFiniteValuesWarning,
+            stacklevel=caller_stacklevel(),
+        )
+
+
+def constants_observed(
+    *graphs: tuple[str, torch.fx.GraphModule, Iterable[str]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of each constant (a weight) an observer of the graphs reads."""
+    for prefix, gm, observer_names in graphs:
+        for _, node in _observer_calls(prefix, gm, observer_names):
+            source = node.args[0]
+            if getattr(source, "op", None) == "get_attr":
+                value = _attribute(gm, source.target)
+                if isinstance(value, torch.Tensor):
+                    yield (f"{prefix}.{source.target}" if prefix else source.target), value
+
+
+def _attribute(gm: torch.fx.GraphModule, target: str) -> object:
+    value: object = gm
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value
 
 
 def check_observers(
@@ -225,7 +279,7 @@ def check_observers(
                     "with them"
                 )
         count = skipped_count(module)
-        if count:
+        if count and not _observes_constants_only(graphs, target):  # weights: named apart
             skipped.append((target, sources, count))
     if skipped:
         total = sum(count for *_, count in skipped)

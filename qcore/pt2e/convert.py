@@ -33,7 +33,11 @@ from qcore.engine.lower import lower as lower_to_kernels
 from qcore.engine.observe import DerivedObserver
 from qcore.engine.reference import QParams, qparams_of
 from qcore.engine.scripting import keep_model_when_scripted
-from qcore.observers.nonfinite import check_observers
+from qcore.observers.nonfinite import (
+    check_observers,
+    constants_observed,
+    warn_of_nonfinite_weights,
+)
 from qcore.pt2e.graph import refuse_train_eval
 from qcore.pt2e.guard import ExportedCodeTracer, run_guard_first
 from qcore.pt2e.patterns import packet
@@ -206,7 +210,9 @@ def convert_reference(
     """
     state = _state_of(prepared)
     # NaN statistics are an error naming the node; skipped NaN/inf one warning
-    check_observers(*_observed_graphs(prepared, state), stage="convert_pt2e")
+    graphs = _observed_graphs(prepared, state)
+    check_observers(*graphs, stage="convert_pt2e")
+    warn_of_nonfinite_weights(constants_observed(*graphs), "convert_pt2e")
     memo = {id(state): state}  # its kernels are not copied only to be dropped below
     gm = quiet_deepcopy(prepared, memo)
     _switch_to_eval(gm)
