@@ -93,3 +93,88 @@ def test_smooth_quant_leaves_a_tied_head_alone(path):
         torch.testing.assert_close(
             copy.deepcopy(smoothed)(*calibration[0]), before, rtol=1e-5, atol=1e-5
         )
+
+
+class SharedBias(nn.Module):
+    """l2's bias is l1's: rescaling l1's output rows (equalize, or smooth_quant
+    folding l2's 1/s into its producer) divided l2's bias too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.l2.bias = self.l1.bias
+        with torch.no_grad():
+            self.l1.weight.mul_(torch.logspace(-1.5, 1.5, 16)[:, None])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(F.relu(self.l1(x)))
+
+
+class TiedNorms(nn.Module):
+    """Two LayerNorm modules sharing one affine weight and bias, each feeding its
+    own linear: smooth_quant divided the shared tensors for each group (float
+    output 0.76 of its range off, int8 31.0 -> 2.6 dB on FX)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.n1, self.n2 = nn.LayerNorm(16), nn.LayerNorm(16)
+        self.n2.weight, self.n2.bias = self.n1.weight, self.n1.bias
+        self.q, self.k = nn.Linear(16, 16), nn.Linear(16, 16)
+        with torch.no_grad():
+            self.n1.weight.copy_(torch.logspace(-1, 1.5, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q(self.n1(x)) + self.k(self.n2(2 * x))
+
+
+@pytest.mark.parametrize("path", ["fx", "pt2e"])
+@pytest.mark.parametrize(
+    "make, rewrite",
+    [
+        (SharedBias, lambda p, data: qcore.equalize(p)),
+        (SharedBias, lambda p, data: qcore.smooth_quant(p, data, alpha=0.5)),
+        (SharedBias, lambda p, data: qcore.smooth_quant(p, data, alpha="search")),
+        (TiedNorms, lambda p, data: qcore.smooth_quant(p, data, alpha=0.5)),
+        (TiedNorms, lambda p, data: qcore.smooth_quant(p, data, alpha="search")),
+    ],
+)
+def test_a_shared_bias_or_norm_keeps_the_float_function(make, rewrite, path):
+    data = [(torch.randn(8, 16),) for _ in range(4)]
+    prepared = _prepared(make().eval(), data[0], path)
+    with torch.no_grad():
+        before = copy.deepcopy(prepared)(*data[0])
+        rewritten = rewrite(prepared, data)
+        torch.testing.assert_close(copy.deepcopy(rewritten)(*data[0]), before)
+
+
+class TwoLayersOneBias(nn.Module):
+    """l1's weights all round the same way (a large correction); l2 shares its
+    bias. Fast correct_bias's one shift served neither: below no correction."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.l2.bias = self.l1.bias
+        with torch.no_grad():
+            self.l1.weight.copy_((torch.randint(-50, 50, (16, 16)) + 0.45) * 0.01)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(F.relu(self.l1(x)))
+
+
+@pytest.mark.parametrize("path", ["fx", "pt2e"])
+@pytest.mark.parametrize("method", ["fast", "empirical"])
+def test_correct_bias_leaves_a_bias_two_layers_share(path, method):
+    data = [(torch.rand(8, 16) + 0.5,) for _ in range(4)]
+    prepared = _prepared(TwoLayersOneBias().eval(), data[0], path)
+    with torch.no_grad():
+        for batch in data:
+            prepared(*batch)
+    corrected = qcore.correct_bias(prepared, data, method=method)
+    assert qcore.algorithms.corrected_biases(corrected) == ()
+    before, after = prepared.state_dict(), corrected.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[key], after[key]) for key in before)

@@ -23,6 +23,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from qcore.algorithms.layers import (
     Layer,
     layer_of,
+    parameter_reads,
     positional_batches,
     record_inputs,
     single_use_layers,
@@ -147,18 +148,27 @@ def _all_layers(gm: GraphModule) -> dict[Node, Layer]:
 
 
 def _calls_by_bias(gm: GraphModule, layers: dict[Node, Layer]) -> dict[Any, list[Node]]:
-    """The layers' calls grouped by the bias a correction changes: a module's (FX),
-    a bias tensor several calls read (PT2E), or a call's own new one."""
+    """The layers' calls grouped by the bias a correction changes (a bias tensor,
+    or for a module without one, the module; else the call's own new one), leaving
+    out a bias that layers of different weights share or another op reads: one
+    shift cannot correct two roundings."""
     calls: dict[Any, list[Node]] = {}
     for node, layer in layers.items():
-        if node.op == "call_module":
-            home: Any = ("module", node.target)
-        elif layer.bias is not None:
-            home = ("tensor", id(layer.bias))
+        if layer.bias is not None:
+            home: Any = ("tensor", id(layer.bias))
+        elif node.op == "call_module":
+            home = ("module", node.target)
         else:
             home = ("call", node.name)
         calls.setdefault(home, []).append(node)
-    return calls
+    reads = parameter_reads(gm)
+
+    def one_layer(group: list[Node]) -> bool:
+        bias = layers[group[0]].bias
+        same_weight = len({id(layers[node].weight) for node in group}) == 1
+        return same_weight and (bias is None or reads.get(id(bias), 0) == len(group))
+
+    return {home: group for home, group in calls.items() if one_layer(group)}
 
 
 def _change(node: Node, shift: torch.Tensor, bias_before: torch.Tensor | None) -> CorrectedBias:

@@ -27,6 +27,7 @@ __all__ = [
     "is_observer_module",
     "layer_name",
     "layer_of",
+    "parameter_reads",
     "positional_batches",
     "record_inputs",
     "single_use_layers",
@@ -201,19 +202,22 @@ class InputRecorder(Interpreter):
 
 
 def single_use_layers(gm: GraphModule) -> dict[Node, Layer]:
-    """Every conv/linear of ``gm`` whose weight no other op reads: a module called
-    twice cannot be changed for one of its calls, nor a weight tied to another
-    module's (an embedding's, read by the output head) or read by a function."""
-    reads = _parameter_reads(gm)
+    """Every conv/linear of ``gm`` whose weight and bias no other op reads: a module
+    called twice cannot be changed for one of its calls, nor a weight tied to
+    another module's (an embedding's, read by the output head) or a bias another
+    layer shares or a function reads."""
+    reads = parameter_reads(gm)
     layers = {node: layer_of(gm, node) for node in gm.graph.nodes}
     return {
         node: layer
         for node, layer in layers.items()
-        if layer is not None and reads.get(id(layer.weight), 0) == 1
+        if layer is not None
+        and reads.get(id(layer.weight), 0) == 1
+        and (layer.bias is None or reads.get(id(layer.bias), 0) == 1)
     }
 
 
-def _parameter_reads(gm: GraphModule) -> dict[int, int]:
+def parameter_reads(gm: GraphModule) -> dict[int, int]:
     """How many ops read each tensor of ``gm`` (by ``id``): each call of a module
     holding it, and each user of a ``get_attr`` node fetching it."""
     reads: dict[int, int] = {}

@@ -37,6 +37,7 @@ from qcore.algorithms.layers import (
     is_observer,
     layer_name,
     layer_of,
+    parameter_reads,
     record_inputs,
     single_use_layers,
     tensor_of,
@@ -101,41 +102,37 @@ def _readers(gm: GraphModule, producer: Node) -> list[Node]:
     return found
 
 
-def _sole_call(gm: GraphModule, node: Node) -> bool:
-    """A module called once in the graph (its parameters change for this call alone)."""
-    if node.op != "call_module":
-        return True
-    return sum(n.op == "call_module" and n.target == node.target for n in gm.graph.nodes) == 1
-
-
 def _absorber(gm: GraphModule, node: Node, layers: dict[Node, Layer], channels: int):
     """(weight, bias) ``X / s`` folds into, as rows (linear) or elements (LayerNorm);
-    or a reason it cannot."""
+    or a reason it cannot. ``layers``: those whose weight and bias no other op reads."""
     if node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.LayerNorm):
         norm = gm.get_submodule(node.target)
         if norm.weight is None or tuple(norm.normalized_shape) != (channels,):
             return f"LayerNorm {node.target!r} has no affine weight over the {channels} channels"
-        return (norm.weight, norm.bias) if _sole_call(gm, node) else "its LayerNorm runs twice"
+        return _read_once(gm, norm.weight, norm.bias) or "its LayerNorm's weight is read twice"
     if node.op == "call_function" and node.target is aten.layer_norm.default:
-        weight = _sole_tensor(gm, node.args[2] if len(node.args) > 2 else None)
+        weight = tensor_of(gm, node.args[2] if len(node.args) > 2 else None)
         bias_arg = node.args[3] if len(node.args) > 3 else None
-        bias = _sole_tensor(gm, bias_arg)
+        bias = tensor_of(gm, bias_arg)
         if weight is None or weight.shape != (channels,) or (bias_arg is not None and bias is None):
             return "its layer_norm has no affine weight over the channels"
-        return weight, bias
+        return _read_once(gm, weight, bias) or "its layer_norm's weight is read twice"
     layer = layers.get(node)
     if layer is not None and layer.is_linear and layer.weight.shape[0] == channels:
-        return (layer.weight, layer.bias) if _sole_call(gm, node) else "its producer runs twice"
+        return layer.weight, layer.bias
+    found = layer_of(gm, node)
+    if found is not None and found.is_linear and found.weight.shape[0] == channels:
+        return f"its producer {_label(node)!r} runs twice, or shares its weight or bias"
     kind = "a model input" if node.op == "placeholder" else repr(_label(node))
     return f"its input comes from {kind}: only a LayerNorm or a linear absorbs 1/s exactly"
 
 
-def _sole_tensor(gm: GraphModule, node: Any) -> torch.Tensor | None:
-    """The tensor a get_attr node (past observers) reads, when no other op reads it."""
-    source = unobserved(gm, node)
-    if isinstance(source, Node) and len(source.users) != 1:
-        return None
-    return tensor_of(gm, node)
+def _read_once(gm: GraphModule, weight: torch.Tensor, bias: torch.Tensor | None):
+    """(weight, bias) where no other op reads either (a module called twice, a
+    LayerNorm whose affine tensors another shares), else None."""
+    reads = parameter_reads(gm)
+    alone = reads.get(id(weight), 0) == 1 and (bias is None or reads.get(id(bias), 0) == 1)
+    return (weight, bias) if alone else None
 
 
 def _check_alpha(alpha: Any) -> None:
