@@ -50,7 +50,7 @@ from qcore.kernels.runtime import (
 from qcore.plugin.isolation import call_isolated
 from qcore.plugin.kernels import ActivationQParams, DynamicInput, KernelMatch, SameOp
 
-__all__ = ["lower"]
+__all__ = ["lower", "quantize_float32"]
 
 _8BIT = {torch.quint8: (0, 255), torch.qint8: (-128, 127)}
 _SKIPPED_FUNCTIONS = (
@@ -482,18 +482,13 @@ class _Lowering:
             with self.graph.inserting_before(anchor):
                 scale, zero_point = self._qparams_attrs(f"{source.name}_input", qparams)
                 value = source
-                if not _is_float32_for_sure(source):
-                    # under torch.autocast a float op's output is bfloat16, which
-                    # torch.quantize_per_tensor refuses; .float() of float32 is itself
-                    value = self.graph.call_method("float", (source,))
-                    self.inserted.add(value)
                 if qparams.quant_range is not None:  # torch quantizes to the full range
                     bounds = self._tensors_for(
                         f"{source.name}_input",
                         low=(qparams.quant_range[0] - qparams.zero_point) * qparams.scale,
                         high=(qparams.quant_range[1] - qparams.zero_point) * qparams.scale,
                     )
-                    value = self.graph.call_function(torch.clamp, (value, *bounds))
+                    value = self.graph.call_function(torch.clamp, (source, *bounds))
                     self.inserted.add(value)
                 new = self.graph.call_function(
                     torch.quantize_per_tensor, (value, scale, zero_point, qparams.dtype)
@@ -644,6 +639,38 @@ def _is_float32_for_sure(node: Node) -> bool:
     """A model input (the PT2E guard, or the FX trace, fixes its dtype) or a
     ``dequantize``'s result: no autocast region changes them."""
     return node.op == "placeholder" or _is_method(node, "dequantize")
+
+
+def quantize_float32(gm: GraphModule) -> None:
+    """``torch.quantize_per_tensor`` of a float op's output reads it as float32: under
+    ``torch.autocast`` that output is bfloat16, which the quantize refuses ("Quantize
+    only works on Float Tensor"). ``.float()`` of a float32 tensor is the tensor
+    itself. Run last, once every rewrite that matches ``dequantize -> quantize``
+    (a requantize to skip) has run; explain lists each cast before its quantize."""
+    report = report_of(gm)
+    added: dict[str, list[Entry]] = {}
+    for node in list(gm.graph.nodes):
+        if not _is_call(node, torch.quantize_per_tensor) or not isinstance(node.args[0], Node):
+            continue
+        reader = node.args[0] if _is_call(node.args[0], torch.clamp) else node
+        source = reader.args[0]  # a clamp to the observer's range may sit between them
+        if not isinstance(source, Node) or _is_float32_for_sure(source):
+            continue
+        with gm.graph.inserting_before(reader):
+            cast = gm.graph.call_method("float", (source,))
+        reader.replace_input_with(source, cast)
+        added.setdefault(reader.name, []).append(
+            Entry(cast.name, "quantize/dequantize", Status.NOT_AN_OP)
+        )
+    if not added:
+        return
+    if report is not None:
+        entries = []
+        for entry in report.entries:
+            entries.extend(added.get(entry.node, ()))
+            entries.append(entry)
+        attach_report(gm, Report(report.backend, entries))
+    gm.recompile()
 
 
 def _is_to_float16(node: Any) -> bool:

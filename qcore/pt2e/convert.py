@@ -30,6 +30,7 @@ from qcore.engine.explain import (
     report_of,
 )
 from qcore.engine.lower import lower as lower_to_kernels
+from qcore.engine.lower import quantize_float32
 from qcore.engine.observe import DerivedObserver
 from qcore.engine.reference import QParams, qparams_of
 from qcore.engine.scripting import keep_model_when_scripted
@@ -356,6 +357,7 @@ def convert_pt2e(
     lowered = lower_to_kernels(
         gm, state.kernels, state.backend_name, observed_ranges=not state.full_range
     )
+    quantize_float32(lowered)
     _delete_unused_constants(lowered)
     lowered._tracer_cls = ExportedCodeTracer  # torch.load re-traces with it
     # its kernels hand torch.jit.script other modules: script a copy, not the model
