@@ -470,3 +470,32 @@ def test_a_conv_whose_outputs_read_padding_only_is_kept_from_onednn(name, path):
     assert counters["inductor"]["qconv_weight_prepack_matcher_count"] == 1  # the 1x1 conv only
     step = (expected.max() - expected.min()) / 255
     assert (compiled - expected).abs().max() <= 2 * step
+
+
+class _Conv1dAdd(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(8, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x) + x
+
+
+@pytest.mark.parametrize("backend", ["x86", "onednn"])
+def test_a_padded_conv1d_into_an_add_compiles(backend):
+    """Inductor's int8 conv + add fusion sized the padded 1-D conv's output wrongly
+    and failed to compile ("Attempting to broadcast a dimension of length 20"):
+    qcore's FX x86 and onednn configs quantize conv1d + add, torchao's quantizer
+    leaves a bare conv1d float. Its weight reaches the compiler as a float constant."""
+    if not installed(backend):
+        pytest.skip(f"needs the {backend} plugin")
+    torch.manual_seed(0)
+    batches = [(torch.randn(2, 8, 20),) for _ in range(4)]
+    prepared = _prepared("fx", backend, _Conv1dAdd().eval(), batches)
+    reference = _reference(prepared, "fx")
+    torch._dynamo.reset()
+    fast = qcore.compile(prepared)
+    with torch.no_grad():
+        compiled, expected = fast(*batches[0]), reference(*batches[0])
+    step = (expected.max() - expected.min()) / 255
+    assert (compiled - expected).abs().max() <= 2 * step

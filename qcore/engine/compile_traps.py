@@ -10,9 +10,17 @@ values), which no int8 pass matches, so it computes as the reference does.
 
 The input size is the one prepare recorded (for a dynamic dimension, the one
 export saw): a model compiled for other spatial sizes is checked at those.
+
+Inductor's int8 conv + add fusion also sizes a padded 1-D conv's output wrongly
+(torch 2.13: "Attempting to broadcast a dimension of length 20 ... [2, 8, 22]",
+at compile time). torchao's x86 quantizer leaves a bare conv1d float, so its
+graphs never meet it; qcore's FX x86 and onednn configs quantize conv1d + add. A
+1-D conv whose output reaches an add gets its float weight the same way.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed)
@@ -47,7 +55,9 @@ def float_weights_where_padding_only(gm: GraphModule) -> int:
             continue
         weight = node.args[1]
         value = _constant_value(gm, weight)
-        if value is None or not _reads_padding_only(gm, node, value.shape):
+        if value is None:
+            continue
+        if not _reads_padding_only(gm, node, value.shape) and not _conv1d_into_add(node, value):
             continue
         name = f"{node.name}_float_weight"
         gm.register_buffer(name, value)
@@ -77,6 +87,29 @@ def _constant_value(gm: GraphModule, weight: object) -> torch.Tensor | None:
             arg = getattr(gm, arg.target)
         args.append(arg)
     return weight.target(*args, **weight.kwargs).detach()
+
+
+_ADDS = {torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor, torch.add, operator.add}
+_QDQ = {
+    torch.ops.quantized_decomposed.quantize_per_tensor.default,
+    torch.ops.quantized_decomposed.dequantize_per_tensor.default,
+    torch.ops.quantized_decomposed.quantize_per_tensor.tensor,
+    torch.ops.quantized_decomposed.dequantize_per_tensor.tensor,
+}
+
+
+def _conv1d_into_add(conv: Node, weight: torch.Tensor) -> bool:
+    """A 1-D conv whose output, past quantize/dequantize, an add reads."""
+    if weight.dim() != 3:
+        return False
+    stack = list(conv.users)
+    while stack:
+        user = stack.pop()
+        if user.op == "call_function" and user.target in _QDQ:
+            stack.extend(user.users)
+        elif user.op == "call_function" and user.target in _ADDS:
+            return True
+    return False
 
 
 _GEOMETRY = (("stride", 3, 1), ("padding", 4, 0), ("dilation", 5, 1))  # name, position, default
