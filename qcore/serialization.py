@@ -41,6 +41,7 @@ import re
 import sys
 import warnings
 from collections.abc import Callable, Iterable
+from types import MappingProxyType
 from typing import IO, Any
 
 import torch
@@ -499,7 +500,7 @@ class _Encoder:
             return {"$": "tuple", "items": [self.value(v, where) for v in value]}
         if isinstance(value, list):  # torch.fx's immutable_list too
             return [self.value(v, where) for v in value]
-        if isinstance(value, dict):  # OrderedDict, torch.fx's immutable_dict
+        if isinstance(value, (dict, MappingProxyType)):  # OrderedDict, torch.fx's immutable_dict
             return {
                 "$": "dict",
                 "items": [[self.value(k, where), self.value(v, where)] for k, v in value.items()],

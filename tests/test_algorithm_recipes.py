@@ -316,3 +316,28 @@ def test_with_a_budget_the_model_returned_reports_its_own_run(extra_db):
     assert quantized_linears < 4  # the budget kept some float
     (ran,) = applied_algorithms(chosen)
     assert ran.changed == quantized_linears
+
+
+def test_a_model_quantized_with_algorithms_deep_copies_and_saves():
+    """Its report holds the AlgorithmSteps that ran, whose read-only options (a
+    mappingproxy) did not pickle: copy.deepcopy and torch.save of the model failed
+    (and of a CompileRecipe, a compiled model)."""
+    import copy
+    import io
+
+    model, data = RoundsDown().eval(), _data()
+    quantized = qcore.quantize(model, data[0], data, "native", algorithms=["correct_bias"])
+    pickled, saved = io.BytesIO(), io.BytesIO()
+    torch.save(quantized, pickled)
+    qcore.save(quantized, saved)
+    pickled.seek(0)
+    saved.seek(0)
+    copies = (copy.deepcopy(quantized), torch.load(pickled, weights_only=False), qcore.load(saved))
+    for again in copies:
+        assert [a.step for a in applied_algorithms(again)] == [
+            a.step for a in applied_algorithms(quantized)
+        ]
+        with torch.no_grad():
+            assert torch.equal(again(*data[0]), quantized(*data[0]))
+    recipe = qcore.CompileRecipe("inductor", {"freezing": True}, summary="x86")
+    assert copy.deepcopy(recipe) == recipe

@@ -306,6 +306,7 @@ def record(model: GraphModule, applied: Iterable[AppliedAlgorithm]) -> None:
 
     applied = tuple(applied)
     model.meta[_APPLIED_KEY] = applied
+    setattr(model, _APPLIED_KEY, applied)  # meta does not survive pickling; attributes do
     report = report_of(model)
     if report is not None:
         report.algorithms = tuple(item.describe() for item in applied)
@@ -320,4 +321,4 @@ def applied_algorithms(model: Any) -> tuple[AppliedAlgorithm, ...]:
         >>> [item.step.name for item in applied_algorithms(quantized)]
         ['equalize', 'correct_bias']
     """
-    return tuple(getattr(model, "meta", {}).get(_APPLIED_KEY, ()))
+    return tuple(getattr(model, "meta", {}).get(_APPLIED_KEY, getattr(model, _APPLIED_KEY, ())))

@@ -4,7 +4,7 @@ and the post-training algorithms worth running for it (``qcore_recommended_algor
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
@@ -85,6 +85,9 @@ class CompileRecipe:
         # A frozen recipe keeps its own copy: the plugin's dict may change later.
         object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
 
+    def __reduce__(self) -> tuple:
+        return _rebuilt(self)
+
     def describe(self) -> str:
         """One line: the compiler, its options and the summary."""
         name = self.compiler if isinstance(self.compiler, str) else describe(self.compiler)
@@ -125,7 +128,21 @@ class AlgorithmStep:
         # A frozen step keeps its own copy: the plugin's dict may change later.
         object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
 
+    def __reduce__(self) -> tuple:
+        return _rebuilt(self)
+
     def describe(self) -> str:
         """The step as a call: ``smooth_quant(alpha=0.5)``, ``equalize()``."""
         options = ", ".join(f"{key}={value!r}" for key, value in self.options.items())
         return f"{self.name}({options})"
+
+
+def _rebuilt(value: Any) -> tuple:
+    """``__reduce__`` of a frozen dataclass holding read-only ``options``: built
+    again from its fields, the options as a dict (a mappingproxy does not pickle,
+    so neither a deep copy nor torch.save of a model whose report holds one ran)."""
+    arguments = (getattr(value, item.name) for item in fields(value))
+    return type(value), tuple(
+        dict(argument) if isinstance(argument, MappingProxyType) else argument
+        for argument in arguments
+    )
