@@ -181,12 +181,20 @@ def _options_set(options: Mapping[str, Any]) -> Iterator[None]:
 
 def _path_and_backend(model: Any) -> tuple[str, str]:
     """("fx" or "pt2e", the backend) of a model qcore prepared; a clear error otherwise."""
+    from qcore.engine.explain import report_of
     from qcore.engine.prepare import STATE_KEY
     from qcore.pt2e.prepare import PT2E_STATE_KEY
 
     meta = getattr(model, "meta", {}) if isinstance(model, GraphModule) else {}
     if STATE_KEY in meta:
         return "fx", meta[STATE_KEY].backend_name
+    if PT2E_STATE_KEY not in meta and report_of(model) is not None:
+        raise TypeError(
+            f"model: got {describe(model)}, a model qcore already converted; qcore.compile "
+            "takes the calibrated model before convert (it converts it itself, to the form "
+            "the compiler's int8 passes match): pass the model prepare_fx or prepare_pt2e "
+            "returned, after calibration"
+        )
     if PT2E_STATE_KEY not in meta:
         raise TypeError(
             f"model: got {describe(model)}; expected a calibrated model returned by "

@@ -221,6 +221,19 @@ def test_compile_takes_a_prepared_model_and_says_so():
         qcore.compile(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.parametrize("path", ["fx", "pt2e"])
+def test_a_converted_model_is_named_as_one(path):
+    """A converted model got the plain-module message, which did not say what was
+    wrong with it."""
+    backend = next((name for name in ("x86", "fbgemm", "qnnpack") if installed(name)), None)
+    if backend is None:
+        pytest.skip("needs a first-party backend")
+    prepared = _prepared(path, backend)
+    converted = qcore.convert_pt2e(prepared) if path == "pt2e" else qcore.convert_fx(prepared)
+    with pytest.raises(TypeError, match=r"a model qcore already converted; qcore.compile takes"):
+        qcore.compile(converted)
+
+
 @pytest.mark.parametrize("backend", ["x86", "qnnpack", "fbgemm"])
 def test_fx_reference_modules_become_int8_weights_with_the_same_numbers(backend):
     from qcore.engine.decomposed import weights_in_graph
