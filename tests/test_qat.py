@@ -13,6 +13,7 @@ import torch
 import torch.ao.nn.intrinsic as nni
 import torch.ao.nn.intrinsic.qat as nniqat
 import torch.ao.nn.qat as nnqat
+from backends import installed
 from torch import nn
 
 import qcore
@@ -314,3 +315,40 @@ def test_a_dropout_in_a_converted_model_passes_int8_through_in_either_mode(
     assert torch.equal(qcore.load(tmp_path / "model.qcore")(x), expected)
     (entry,) = [e for e in qcore.explain(converted).entries if e.node == "drop"]
     assert entry.status is Status.QUANTIZED
+
+
+class _ResidualBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn, self.relu = torch.nn.BatchNorm2d(8), torch.nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.bn(self.conv(x)) + x)
+
+
+@pytest.mark.parametrize("backend", [None, "onednn"])
+def test_qat_on_a_residual_block_fuses_conv_and_batchnorm_and_leaves_the_add(backend):
+    """onednn's conv + BatchNorm + add fusion folds the BatchNorm, which QAT trains:
+    prepare_qat_fx with no backend (native, which holds onednn's patterns) raised
+    FusionError on every ResNet and MobileNetV2 block, where torch.ao's runs."""
+    if backend is not None and not installed(backend):
+        pytest.skip(f"needs the {backend} plugin")
+    torch.manual_seed(0)
+    model, x = _ResidualBlock().train(), torch.randn(4, 8, 8, 8)
+    kwargs = {} if backend is None else {"backend": backend}
+    mapping = qcore.get_default_qat_qconfig_mapping("x86")
+    prepared = qcore.prepare_qat_fx(model, mapping, (x,), **kwargs)
+    kinds = {type(m).__name__ for m in prepared.modules()}
+    assert "ConvBn2d" in kinds and not kinds & {"ConvAdd2d", "ConvAddReLU2d"}, kinds
+    optimizer = torch.optim.SGD(prepared.parameters(), lr=0.01)
+    for _ in range(3):
+        optimizer.zero_grad()
+        prepared(x).pow(2).mean().backward()
+        optimizer.step()
+    prepared.eval()
+    converted = qcore.convert_fx(prepared)
+    with torch.no_grad():
+        expected = prepared(x)
+        noise = (expected - converted(x)).pow(2).mean()
+        assert 10 * torch.log10(expected.pow(2).mean() / noise) > 25

@@ -218,3 +218,9 @@ def linear_eltwise_pattern_configs(
         .set_fused_module(nni.LinearLeakyReLU),
         *_eltwise_configs(dtypes, nn.Tanh, torch.tanh, nni.LinearTanh, fuse_linear_tanh),
     ]
+
+
+# A (BatchNorm, conv) part is folded for good: QAT, which trains the BatchNorm,
+# leaves these patterns to conv + BatchNorm and a separate add (qcore.engine.fuse).
+fuse_conv_add.trains_batchnorm = False  # type: ignore[attr-defined]
+fuse_conv_add_relu.trains_batchnorm = False  # type: ignore[attr-defined]

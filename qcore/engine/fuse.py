@@ -47,8 +47,28 @@ _AS_MODULE: dict[Any, Callable[[], torch.nn.Module]] = {
 }
 
 
-def fusion_rules(backend_config: BackendConfig) -> list:
-    return [config for config in backend_config.configs if config.fuser_method is not None]
+def fusion_rules(backend_config: BackendConfig, is_qat: bool = False) -> list:
+    """The configs that fuse; for QAT, without those folding a BatchNorm their
+    pattern holds (their fuser says ``trains_batchnorm = False``): QAT trains it,
+    so the other patterns take the chain (conv + BatchNorm, the add alone)."""
+    return [
+        config
+        for config in backend_config.configs
+        if config.fuser_method is not None and not (is_qat and _folds_batchnorm(config))
+    ]
+
+
+def _folds_batchnorm(config: Any) -> bool:
+    if getattr(config.fuser_method, "trains_batchnorm", True) is not False:
+        return False
+    stack = [config.pattern if config.pattern is not None else config.pattern_complex_format]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, tuple):
+            stack.extend(item)
+        elif isinstance(item, type) and issubclass(item, torch.nn.modules.batchnorm._BatchNorm):
+            return True
+    return False
 
 
 def _as_module(node: Node, modules: dict[str, torch.nn.Module]) -> torch.nn.Module | None:
@@ -102,7 +122,7 @@ def fuse_graph(
 ) -> int:
     """Fuse in place; ``on_fused(new_node, old_nodes)`` is told of each fusion.
     Returns the number of fusions."""
-    rules = fusion_rules(backend_config)
+    rules = fusion_rules(backend_config, is_qat)
     if not rules:
         return 0
     modules = dict(gm.named_modules(remove_duplicate=False))

@@ -120,11 +120,24 @@ def test_the_add_operand_computed_after_the_conv_is_wired_in_order():
     assert len(conv.args) == 2
 
 
-def test_qat_refuses_conv_bn_add_with_what_to_do():
+def test_qat_trains_the_batchnorm_of_a_conv_bn_add():
+    """conv + BatchNorm + add fuses into ConvAdd2d with the BatchNorm folded for
+    good; QAT, which trains it, fuses conv + BatchNorm and leaves the add (prepare
+    raised FusionError, as torch.ao's onednn config does)."""
     model = Residual(operator.add, True, True, True).train()
     mapping = qcore.get_default_qat_qconfig_mapping("onednn")
+    prepared = qcore.prepare_qat_fx(model, mapping, (torch.randn(1, 8, 6, 6),), "onednn")
+    # conv + bn trains as ConvBn2d; the shortcut conv (no BatchNorm) still takes the add
+    assert type(prepared.conv).__name__ == "ConvBn2d"
+    assert type(prepared.shortcut).__name__ == "ConvAddReLU2d"
+
+
+def test_a_direct_qat_call_of_the_fuser_still_says_what_to_do():
+    from qcore.config.onednn_fusions import fuse_conv_add
+
+    conv, bn = nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8)
     with pytest.raises(FusionError, match="is_qat=True.*backend 'x86'"):
-        qcore.prepare_qat_fx(model, mapping, (torch.randn(1, 8, 6, 6),), "onednn")
+        fuse_conv_add(True, operator.add, (bn, conv), None)
 
 
 def test_save_load_and_no_warnings():
