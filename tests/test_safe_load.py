@@ -566,3 +566,28 @@ def test_the_unedited_file_loads(tmp_path):
     loaded = _save_load(converted, tmp_path, torch.backends.quantized.engine)
     x = torch.randn(5, 8)
     _assert_identical(converted(x), loaded(x))
+
+
+@pytest.mark.parametrize("reference", [True, False])
+def test_a_weight_normed_layer_saves_in_either_form(reference, tmp_path):
+    """The reference form kept weight_norm's load_state_dict pre-hook after its
+    parametrization was removed, and qcore.save refused it as a user's hook."""
+
+    class WeightNormed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1 = nn.utils.parametrizations.weight_norm(nn.Linear(16, 16))
+            self.l2 = nn.Linear(16, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.l2(torch.relu(self.l1(x)))
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    backend = next(name for name in FIRST_PARTY if installed(name))
+    prepared = qcore.prepare_fx(WeightNormed().eval(), None, (x,), backend=backend)
+    prepared(x)
+    converted = (qcore.convert_to_reference_fx if reference else qcore.convert_fx)(prepared)
+    path = tmp_path / "weight_normed.qcore"
+    qcore.save(converted, path)
+    _assert_identical(converted(x), qcore.load(path)(x))

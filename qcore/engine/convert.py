@@ -58,6 +58,17 @@ def _remove_parametrizations(module: torch.nn.Module) -> None:
             owner.__class__ = type(shared.__name__, shared.__bases__, own)
             for name in list(owner.parametrizations):
                 parametrize.remove_parametrizations(owner, name, leave_parametrized=True)
+            _drop_weight_norm_hooks(owner)
+
+
+def _drop_weight_norm_hooks(owner: torch.nn.Module) -> None:
+    """weight_norm leaves a load_state_dict pre-hook on its module (to read old
+    checkpoints' weight_g/weight_v) that removing the parametrization keeps: the
+    plain module holds a hook qcore.save refuses (hooks are code) and needs none."""
+    hooks = owner._load_state_dict_pre_hooks
+    for key, hook in list(hooks.items()):
+        if "weight_norm" in getattr(getattr(hook, "hook", hook), "__qualname__", ""):
+            del hooks[key]
 
 
 def _float_and_weight_qparams(
