@@ -149,20 +149,14 @@ def test_a_shared_bias_or_norm_keeps_the_float_function(make, rewrite, path):
         torch.testing.assert_close(copy.deepcopy(rewritten)(*data[0]), before)
 
 
-class TwoLayersOneBias(nn.Module):
-    """l1's weights all round the same way (a large correction); l2 shares its
-    bias. Fast correct_bias's one shift served neither: below no correction."""
+class TwoLayersOneBias(SharedBias):
+    """SharedBias whose l1 weights all round the same way (a large correction).
+    Fast correct_bias's one shift served neither layer: below no correction."""
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.l1, self.l2 = nn.Linear(16, 16), nn.Linear(16, 16)
-        self.l2.bias = self.l1.bias
         with torch.no_grad():
             self.l1.weight.copy_((torch.randint(-50, 50, (16, 16)) + 0.45) * 0.01)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l2(F.relu(self.l1(x)))
 
 
 @pytest.mark.parametrize("path", ["fx", "pt2e"])

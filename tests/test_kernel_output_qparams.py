@@ -8,18 +8,15 @@ what it returned and what was recorded; check's two-step tolerance is the
 recorded step, not one the kernel claims."""
 
 import re
-import types
 import warnings
 
 import pytest
 import torch
+from linear_chip import fresh_registry, linear_chip
 
 import qcore
-from qcore import BackendPatternConfig, DTypeConfig, ObservationType, hookimpl
-from qcore.config.qconfig import get_default_qconfig
+from qcore import DTypeConfig
 from qcore.conformance import ConformanceFailure, check_kernels_match_reference
-from qcore.plugin import BackendRegistry
-from qcore.plugin.kernels import Kernel
 
 INT8 = DTypeConfig(torch.quint8, torch.quint8, torch.qint8, torch.float)
 
@@ -73,39 +70,12 @@ PROBLEMS = {
 
 
 def chip(lower):
-    plugin = types.ModuleType("qparams_chip_plugin")
-    plugin.QCORE_PLUGIN_API_VERSION = 1
-
-    @hookimpl
-    def qcore_backend_pattern_configs(backend):
-        return [
-            BackendPatternConfig(torch.nn.Linear)
-            .set_observation_type(ObservationType.OUTPUT_USE_DIFFERENT_OBSERVER_AS_INPUT)
-            .add_dtype_config(INT8)
-            .set_root_module(torch.nn.Linear)
-            .set_reference_quantized_module(torch.ao.nn.quantized.reference.Linear)
-        ]
-
-    @hookimpl
-    def qcore_backend_kernels(backend):
-        return [Kernel("chip.linear", torch.nn.Linear, "chip", lower)]
-
-    @hookimpl
-    def qcore_default_qconfig_mapping(backend, is_qat):
-        return qcore.QConfigMapping().set_global(get_default_qconfig("x86"))
-
-    plugin.qcore_backend_pattern_configs = qcore_backend_pattern_configs
-    plugin.qcore_backend_kernels = qcore_backend_kernels
-    plugin.qcore_default_qconfig_mapping = qcore_default_qconfig_mapping
-    return plugin
+    return linear_chip(lower, default_mapping=True)
 
 
 @pytest.fixture
 def registry(monkeypatch):
-    """A registry with no installed plugin: the chip's alone."""
-    fresh = BackendRegistry(find=lambda: [])
-    monkeypatch.setattr(qcore.plugin, "_default_registry", fresh)
-    return fresh
+    return fresh_registry(monkeypatch)
 
 
 def converted(registry, behaviour):

@@ -3,17 +3,15 @@ the user's process (lowering caught Exception only); the plugin guide promises a
 plugin never does. Now it is refused like any failing kernel (the op stays in
 reference form, explain says why); KeyboardInterrupt still stops convert."""
 
-import types
 import warnings
 
 import pytest
 import torch
+from linear_chip import fresh_registry, linear_chip
 
 import qcore
-from qcore import BackendPatternConfig, DTypeConfig, ObservationType, hookimpl
+from qcore import DTypeConfig
 from qcore.config.qconfig import get_default_qconfig
-from qcore.plugin import BackendRegistry
-from qcore.plugin.kernels import Kernel
 
 INT8 = DTypeConfig(torch.quint8, torch.quint8, torch.qint8, torch.float)
 DEVICE_NOT_FOUND = "vendor runtime: device not found"
@@ -40,34 +38,12 @@ LOWERINGS = {
 
 
 def chip(lower):
-    plugin = types.ModuleType("exiting_chip_plugin")
-    plugin.QCORE_PLUGIN_API_VERSION = 1
-
-    @hookimpl
-    def qcore_backend_pattern_configs(backend):
-        return [
-            BackendPatternConfig(torch.nn.Linear)
-            .set_observation_type(ObservationType.OUTPUT_USE_DIFFERENT_OBSERVER_AS_INPUT)
-            .add_dtype_config(INT8)
-            .set_root_module(torch.nn.Linear)
-            .set_reference_quantized_module(torch.ao.nn.quantized.reference.Linear)
-        ]
-
-    @hookimpl
-    def qcore_backend_kernels(backend):
-        return [Kernel("chip.linear", torch.nn.Linear, "chip", lower)]
-
-    plugin.qcore_backend_pattern_configs = qcore_backend_pattern_configs
-    plugin.qcore_backend_kernels = qcore_backend_kernels
-    return plugin
+    return linear_chip(lower)
 
 
 @pytest.fixture
 def registry(monkeypatch):
-    """A registry with no installed plugin: the chip's alone."""
-    fresh = BackendRegistry(find=lambda: [])
-    monkeypatch.setattr(qcore.plugin, "_default_registry", fresh)
-    return fresh
+    return fresh_registry(monkeypatch)
 
 
 def prepared(registry, where):
