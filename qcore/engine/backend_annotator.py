@@ -187,11 +187,16 @@ def annotate_with_backend_config(
         if match is not None and match.output not in tensor_nodes:
             match = None  # list arithmetic (``[1] * n``), a bool mask: nothing to quantize
         if returns_container(node) and not _quantizes_weights(match):
-            # an op on a whole tuple (nn.Identity on LSTM's (out, (h, c))): observers take
-            # one tensor, so it runs in float on what it is given (a dynamic LSTM, whose
-            # weights are quantized and its tuple output float, is no such op)
-            reason = "passes a tuple or list of tensors along, not one tensor"
-            entries[node.name] = Entry(node.name, op, Status.NOT_AN_OP, reason)
+            # observers take one tensor: it runs in float on what it is given (a dynamic
+            # LSTM, whose weights are quantized and its tuple output float, is no such
+            # op). One that takes a tuple too (nn.Identity on LSTM's (out, (h, c)))
+            # passes it along; one that computes (nn.MultiheadAttention) is a float op.
+            if _takes_a_container(node):
+                reason = "passes a tuple or list of tensors along, not one tensor"
+                entries[node.name] = Entry(node.name, op, Status.NOT_AN_OP, reason)
+            else:
+                reason = "returns several tensors, which no pattern quantizes: it runs in float"
+                entries[node.name] = Entry(node.name, op, Status.FLOAT, reason)
             continue
         if match is None and node not in tensor_nodes:
             reason = "computes no floating-point tensor (a shape, a size, a mask)"
@@ -314,6 +319,10 @@ def _quantizes_weights(match: Match | None) -> bool:
         and any(node.op == "call_module" for node in match.nodes)
         and any(config.weight_dtype is not None for config in match.config.dtype_configs)
     )
+
+
+def _takes_a_container(node: Node) -> bool:
+    return any(isinstance(arg, Node) and returns_container(arg) for arg in node.args)
 
 
 def returns_container(node: Node) -> bool:

@@ -148,7 +148,12 @@ def _report(gm: GraphModule, backend: str, observer_names: set[str]) -> Report:
     entries = []
     for node in gm.graph.nodes:
         op = str(packet(node) or node.target)
-        if node.op != "call_function" or "val" in node.meta and not is_tensor_node(node):
+        if node.op == "call_function" and _returns_float_tensors(node):
+            # an LSTM, a GRU, a split: it computes, in float (a quantizer annotates
+            # ops of one tensor output); "not an op" hid it from every count
+            reason = node.meta.get(REASON_KEY) or "returns several tensors: it runs in float"
+            entries.append(Entry(node.name, op, Status.FLOAT, reason))
+        elif node.op != "call_function" or "val" in node.meta and not is_tensor_node(node):
             # Graph inputs, observers, and ops on sizes or integers (nothing to quantize).
             kind = "observer" if node.target in observer_names else op
             entries.append(Entry(node.name, kind, Status.NOT_AN_OP))
@@ -162,6 +167,14 @@ def _report(gm: GraphModule, backend: str, observer_names: set[str]) -> Report:
             reason = node.meta.get(REASON_KEY) or "the quantizer did not annotate it"
             entries.append(Entry(node.name, op, Status.FLOAT, reason))
     return Report(backend, entries)
+
+
+def _returns_float_tensors(node: Node) -> bool:
+    """A tuple or list of values holding a floating-point tensor."""
+    value = node.meta.get("val")
+    return isinstance(value, (tuple, list)) and any(
+        isinstance(item, torch.Tensor) and item.is_floating_point() for item in value
+    )
 
 
 def _warn_if_nothing_quantized(report: Report) -> None:
