@@ -796,6 +796,14 @@ def _float_producer(node: Node) -> Node | None:
     return next((arg for arg in inputs if arg.op != "get_attr"), None)
 
 
+def _op_and_pattern(entry: Entry) -> str:
+    """``matmul``; ``aten.bmm (pattern matmul)`` where the op is a variant of the
+    pattern it was annotated under, which a kernel for the pattern need not take."""
+    if not entry.pattern or entry.op.lower().endswith(entry.pattern.lower()):
+        return entry.pattern or entry.op
+    return f"{entry.op} (pattern {entry.pattern})"
+
+
 def _updated(
     entry: Entry, lowering: _Lowering, backend: str, node: Node, entries: dict[str, Entry]
 ) -> Entry:
@@ -820,7 +828,7 @@ def _updated(
     if entry.status is Status.REFERENCE:
         return entry.with_status(
             Status.REFERENCE,
-            f"no kernel for {entry.pattern or entry.op} in backend {backend!r} "
+            f"no kernel for {_op_and_pattern(entry)} in backend {backend!r} "
             "(left in reference form)",
         )
     return entry

@@ -219,7 +219,8 @@ def families() -> list[tuple[str, list, object]]:
         ("mul_relu", _with_relu(mul), functools.partial(binary.lower_binary, op="mul", relu=True)),
         ("mul", list(mul), functools.partial(binary.lower_binary, op="mul")),
         ("cat", [torch.cat, aten.cat.default], binary.lower_cat),
-        ("matmul", [torch.matmul, aten.matmul.default], binary.lower_matmul),
+        # bmm: PT2E annotates it under matmul's pattern; the int8 matmul batches 3-D operands
+        ("matmul", [torch.matmul, aten.matmul.default, aten.bmm.default], binary.lower_matmul),
         (
             "batch_norm2d_relu",
             [nni.BNReLU2d, *_with_relu([torch.nn.BatchNorm2d])],
