@@ -584,7 +584,9 @@ def test_a_weight_normed_layer_saves_in_either_form(reference, tmp_path):
 
     torch.manual_seed(0)
     x = torch.randn(8, 16)
-    backend = next(name for name in FIRST_PARTY if installed(name))
+    backend = next((name for name in FIRST_PARTY if installed(name)), None)
+    if backend is None:
+        pytest.skip("needs a first-party backend")
     prepared = qcore.prepare_fx(WeightNormed().eval(), None, (x,), backend=backend)
     prepared(x)
     converted = (qcore.convert_to_reference_fx if reference else qcore.convert_fx)(prepared)
