@@ -285,10 +285,7 @@ def _check_float32(annotations: dict[Node, QuantizationAnnotation]) -> None:
     """FX's quantize ops take float32: a bfloat16, float16 or float64 value to be
     quantized is an error here, not at the converted model's first call."""
     for node, annotation in annotations.items():
-        points = [arg for arg, spec in annotation.input_qspec_map.items() if spec is not None]
-        if annotation.output_qspec is not None:
-            points.append(node)
-        for point in points:
+        for point in annotation.quantized_values(node):
             meta = point.meta.get("tensor_meta")
             dtype = getattr(meta, "dtype", torch.float32)
             if dtype.is_floating_point and dtype != torch.float32:

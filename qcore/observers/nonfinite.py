@@ -186,6 +186,17 @@ def _observed_nodes(
     return observed
 
 
+def _weight_observers(graphs: Iterable[tuple]) -> set[str]:
+    """The observers that read constants only (weights: named by their own warning)."""
+    reads_other: set[str] = set()
+    reads_constant: set[str] = set()
+    for prefix, gm, observer_names in graphs:
+        for key, node in _observer_calls(prefix, gm, observer_names):
+            constant = getattr(node.args[0], "op", None) == "get_attr"
+            (reads_constant if constant else reads_other).add(key)
+    return reads_constant - reads_other
+
+
 def _observer_calls(
     prefix: str, gm: torch.fx.GraphModule, observer_names: Iterable[str]
 ) -> Iterator[tuple[str, torch.fx.Node]]:
@@ -194,14 +205,6 @@ def _observer_calls(
     for node in gm.graph.nodes:
         if node.op == "call_module" and node.target in names and node.args:
             yield (f"{prefix}.{node.target}" if prefix else node.target), node
-
-
-def _observes_constants_only(graphs: Iterable[tuple], key: str) -> bool:
-    calls = [
-        node for prefix, gm, names in graphs for k, node in _observer_calls(prefix, gm, names)
-        if k == key
-    ]  # fmt: skip
-    return all(getattr(node.args[0], "op", None) == "get_attr" for node in calls)
 
 
 def warn_of_nonfinite_weights(weights: Iterable[tuple[str, torch.Tensor]], stage: str) -> None:
@@ -226,20 +229,15 @@ def constants_observed(
     *graphs: tuple[str, torch.fx.GraphModule, Iterable[str]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of each constant (a weight) an observer of the graphs reads."""
+    from qcore.engine.constants import attribute  # the engine imports the observers
+
     for prefix, gm, observer_names in graphs:
         for _, node in _observer_calls(prefix, gm, observer_names):
             source = node.args[0]
             if getattr(source, "op", None) == "get_attr":
-                value = _attribute(gm, source.target)
+                value = attribute(gm, source.target)
                 if isinstance(value, torch.Tensor):
                     yield (f"{prefix}.{source.target}" if prefix else source.target), value
-
-
-def _attribute(gm: torch.fx.GraphModule, target: str) -> object:
-    value: object = gm
-    for part in target.split("."):
-        value = getattr(value, part, None)
-    return value
 
 
 def check_observers(
@@ -256,6 +254,7 @@ def check_observers(
             node it observes, the observer, its class and values.
     """
     skipped: list[tuple[str, list[str], int]] = []
+    weights = _weight_observers(graphs)
     for target, (observer, sources) in _observed_nodes(graphs).items():
         module = _statistics_holder(observer)
         where = " and ".join(repr(s) for s in sources)
@@ -279,7 +278,7 @@ def check_observers(
                     "with them"
                 )
         count = skipped_count(module)
-        if count and not _observes_constants_only(graphs, target):  # weights: named apart
+        if count and target not in weights:
             skipped.append((target, sources, count))
     if skipped:
         total = sum(count for *_, count in skipped)

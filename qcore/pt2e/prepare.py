@@ -252,10 +252,7 @@ def _check_quantizable_dtypes(annotations: dict) -> None:
     quantized is an error naming it here, not a bare assertion at convert (torchao's
     too)."""
     for node, annotation in annotations.items():
-        points = [arg for arg, spec in annotation.input_qspec_map.items() if spec is not None]
-        if annotation.output_qspec is not None:
-            points.append(node)
-        for point in points:
+        for point in annotation.quantized_values(node):
             dtype = getattr(point.meta.get("val"), "dtype", torch.float32)
             if dtype.is_floating_point and dtype not in _QUANTIZABLE:
                 raise ValueError(

@@ -221,6 +221,12 @@ class QuantizationAnnotation:
             _check_spec(f"{owner}.input_qspec_map[{node.name!r}]", spec)
         _check_spec(f"{owner}.output_qspec", self.output_qspec)
 
+    def quantized_values(self, node: Node) -> list[Node]:
+        """The values this annotation of ``node`` quantizes: each input with a spec,
+        and ``node`` itself where its output has one."""
+        values = [arg for arg, spec in self.input_qspec_map.items() if spec is not None]
+        return values + [node] if self.output_qspec is not None else values
+
 
 # torchao's and torch.ao's spec classes, which their Quantizers' annotations hold
 _SPEC_CLASS_NAMES = {
