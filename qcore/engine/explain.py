@@ -42,6 +42,10 @@ class Status(enum.Enum):
 #: ``linear -> gelu``): their entries follow that node's and take its kernel.
 POST_OPS_KEY = "qcore_post_ops"
 
+#: A node's meta: why no kernel could be tried on it, where lowering never gets
+#: to ask one (PT2E's weighted op read both quantized and in float).
+UNLOWERABLE_KEY = "qcore_unlowerable"
+
 
 @dataclass(frozen=True)
 class Entry:

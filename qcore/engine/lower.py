@@ -29,7 +29,15 @@ from torch.fx.node import map_arg
 
 from qcore import ops
 from qcore.config.errors import QCoreWarning, caller_stacklevel
-from qcore.engine.explain import POST_OPS_KEY, Entry, Report, Status, attach_report, report_of
+from qcore.engine.explain import (
+    POST_OPS_KEY,
+    UNLOWERABLE_KEY,
+    Entry,
+    Report,
+    Status,
+    attach_report,
+    report_of,
+)
 from qcore.engine.float_islands import float_input_reason
 from qcore.engine.in_place import eliminate_dead_code_keeping_state_writes
 from qcore.engine.kernel_check import (
@@ -294,7 +302,7 @@ class _Lowering:
         # SystemExit too: a plugin never ends the user's process.
         result, error = call_isolated(lambda: kernel.lower(match))
         if error is not None:
-            raise _Refused(f"{type(error).__name__}: {error}") from error
+            raise _Refused(_refusal(error)) from error
         root = chain[0]
         if isinstance(result, SameOp):
             if len(chain) != 1 or quantize is None:
@@ -796,6 +804,12 @@ def _float_producer(node: Node) -> Node | None:
     return next((arg for arg in inputs if arg.op != "get_attr"), None)
 
 
+def _refusal(error: BaseException) -> str:
+    """A kernel's reason for not taking a match: a ValueError is the documented way
+    to refuse, so its message alone; any other error is named (a kernel's bug)."""
+    return str(error) if type(error) is ValueError else f"{type(error).__name__}: {error}"
+
+
 def _op_and_pattern(entry: Entry) -> str:
     """``matmul``; ``aten.bmm (pattern matmul)`` where the op is a variant of the
     pattern it was annotated under, which a kernel for the pattern need not take."""
@@ -825,6 +839,8 @@ def _updated(
         source = entries.get(producer.name)
         reason = source.reason if source is not None and source.reason else "not quantized"
         return entry.with_status(Status.FLOAT, float_input_reason(producer.name, reason))
+    if entry.status is Status.REFERENCE and UNLOWERABLE_KEY in node.meta:
+        return entry.with_status(Status.REFERENCE, node.meta[UNLOWERABLE_KEY])
     if entry.status is Status.REFERENCE:
         return entry.with_status(
             Status.REFERENCE,

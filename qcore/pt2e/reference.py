@@ -21,7 +21,7 @@ from torch.fx import GraphModule, Node
 from torch.nn.utils import skip_init
 
 from qcore import ops
-from qcore.engine.explain import POST_OPS_KEY
+from qcore.engine.explain import POST_OPS_KEY, UNLOWERABLE_KEY
 from qcore.engine.reference import QParams, ReferenceModule
 from qcore.pt2e.fused import WeightedWithPostOps
 from qcore.pt2e.patterns import packet
@@ -201,6 +201,27 @@ def _post_ops(node: Node, fusable: set[str]) -> tuple[list[Node], Any, nn.Module
     return nodes, other, activation
 
 
+def _read_both_ways(quantized: list[Node], users: list[Node]) -> str:
+    readers = [u for q in quantized for u in q.users]
+    in_float = [u for u in users if u not in quantized]
+    return (
+        f"its output is read both quantized (by {', '.join(_names(readers))}) and in float "
+        f"(by {', '.join(_names(in_float))}): a kernel gives one of the two, so it stays "
+        "in reference form (the quantizer left that float reader unquantized)"
+    )
+
+
+def _names(nodes: list[Node]) -> list[str]:
+    """The names of the ops reading ``nodes``' values, through a dequantize."""
+    names = []
+    for node in nodes:
+        if _is_call(node, ops.dequantize_per_tensor) and node.users:
+            names.extend(user.name for user in node.users)
+        else:
+            names.append(node.name)
+    return names
+
+
 def _replace(gm: GraphModule, node: Node, fusable: set[str]) -> tuple[str, str] | None:
     op = packet(node)
     if op is not aten.linear and op not in _CONV:
@@ -216,7 +237,8 @@ def _replace(gm: GraphModule, node: Node, fusable: set[str]) -> tuple[str, str] 
     users = list(tail.users)
     quantized = [u for u in users if _is_call(u, ops.quantize_per_tensor)]
     if quantized and len(users) != 1:
-        return None  # used both quantized and in float: no single output form
+        node.meta[UNLOWERABLE_KEY] = _read_both_ways(quantized, users)
+        return None
     module = _float_module(op, node, found[0], bias)
     if module is None:
         return None
