@@ -23,8 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
+from qcore.engine.kernel_check import recorded
 from qcore.kernels.common import (
     OutputKernel,
+    bound_arguments,
     one_quantized_input,
     require,
     same_as_input,
@@ -369,12 +371,36 @@ def _averaging_arguments(match: KernelMatch, names: tuple[str, ...]) -> dict[str
     return arguments
 
 
+#: (rank, mode) -> torch has an int8 kernel for F.interpolate (without antialias)
+_INT8_INTERPOLATION = {
+    (3, "area"),
+    *((rank, mode) for rank in (4, 5) for mode in ("nearest", "nearest-exact", "area")),
+    (4, "bilinear"),
+}
+
+
+def _require_int8_interpolation(match: KernelMatch) -> None:
+    """Refuse an interpolation torch has no int8 kernel for (1-d nearest, linear,
+    bicubic, trilinear, antialiased): torch raises NotImplementedError at run time."""
+    arguments = bound_arguments(match, F.interpolate)
+    found = recorded(match.root.args[0], example_sizes=True) if match.root.args else None
+    require(found is not None, "its input's rank was not recorded")
+    rank, mode = len(found[0]), arguments["mode"]
+    require(not arguments["antialias"], "torch has no int8 kernel for antialiased interpolation")
+    require(
+        (rank, mode) in _INT8_INTERPOLATION,
+        f"torch has no int8 kernel for mode={mode!r} on a {rank}-d input",
+    )
+
+
 def lower_averaging(match: KernelMatch) -> SameOp | QuantizedAverage:
     """:class:`QuantizedAverage` for the ops whose int8 kernel depends on the global
     engine (any output qparams: it rounds once, to them); torch's int8 op for the
     others, where the output keeps the input's qparams."""
     root = match.root
     key = type(match.module) if match.module is not None else root.target
+    if key is F.interpolate:
+        _require_int8_interpolation(match)
     if key not in _ENGINE_DEPENDENT:
         return same_averaging(match)
     one_quantized_input(match)
