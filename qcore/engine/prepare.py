@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.shape_prop import TensorMetadata
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from qcore.config import BackendConfig, BackendPatternConfig, DTypeConfig
 from qcore.config.compat import observer_facts_reused
@@ -152,15 +153,26 @@ def _holds_float(meta: Any) -> bool:
     return False
 
 
-def _fused_qconfig(new_node: Node, old_nodes: list[Node], qconfigs: dict, notes: dict) -> None:
-    found = [qconfigs.get(node) for node in old_nodes]
+def _fused_qconfig(
+    gm: GraphModule,
+    modules: dict,
+    new_node: Node,
+    old_nodes: list[Node],
+    qconfigs: dict,
+    notes: dict,
+) -> None:
     # the root module is the last of old_nodes, first in forward order
+    root, *others = reversed(old_nodes)
+    # A BatchNorm folded into its layer's weights is gone: its QConfig does not
+    # count, as in torch.ao (whose check compares what the fused module holds).
+    others = [node for node in others if not _folded_away(gm, modules, new_node, node)]
+    found = [qconfigs.get(node) for node in [*reversed(others), root]]
     qconfig = pattern_qconfig(found[-1], found[:-1])
     if qconfig is not None or all(other is None for other in found):
         qconfigs[new_node] = qconfig
     elif found[-1] is None:  # the layer set to None: what is fused into it goes with it
         qconfigs[new_node] = None
-        followers = [n.name for n in reversed(old_nodes[:-1])]
+        followers = [n.name for n in others]
         notes[new_node] = (
             f"no QConfig for {old_nodes[-1].name} in the QConfigMapping ({', '.join(followers)}, "
             f"fused into it, {'runs' if len(followers) == 1 else 'run'} in float with it)"
@@ -171,6 +183,15 @@ def _fused_qconfig(new_node: Node, old_nodes: list[Node], qconfigs: dict, notes:
             f"the fused modules ({', '.join(n.name for n in reversed(old_nodes))}) have "
             "different QConfigs; give them the same one"
         )
+
+
+def _folded_away(gm: GraphModule, modules: dict, fused_node: Node, node: Node) -> bool:
+    """``node`` called a BatchNorm the fusion folded into the layer's weights (eval):
+    the fused module no longer holds one."""
+    if node.op != "call_module" or not isinstance(modules.get(node.target), _BatchNorm):
+        return False
+    fused = gm.get_submodule(fused_node.target) if fused_node.op == "call_module" else None
+    return fused is not None and not any(isinstance(m, _BatchNorm) for m in fused.modules())
 
 
 def _attach_qconfigs(gm: GraphModule, qconfigs: dict[Node, Any]) -> None:
@@ -224,7 +245,10 @@ def prepare(
     _warn_unmatched(unmatched_names(model, qconfig_mapping))
     notes: dict[Node, str] = {}
     fuse_graph(
-        gm, backend_config, is_qat, lambda new, old: _fused_qconfig(new, old, qconfigs, notes)
+        gm,
+        backend_config,
+        is_qat,
+        lambda new, old: _fused_qconfig(gm, modules, new, old, qconfigs, notes),
     )
     custom_calls = swap_observed(gm, qconfigs, custom_config)
     modules = dict(gm.named_modules(remove_duplicate=False))
