@@ -244,7 +244,7 @@ def annotate_with_backend_config(
         indexes = match.config._input_type_to_index or op_indexes.get(match.root.target, {})
         _annotate(match, qconfig, dtype_config, tensor_nodes, annotations, spec_cache, indexes)
     reuse_observed_inputs(annotations)
-    share_float_inputs_of_cat(annotations)
+    share_inputs_of_cat(annotations)
     reusing_float = {
         node
         for decision in decisions
@@ -367,13 +367,19 @@ def reuse_observed_inputs(annotations: dict[Node, QuantizationAnnotation]) -> No
                 annotation.input_qspec_map[producer] = SharedQuantizationSpec(producer)
 
 
-def share_float_inputs_of_cat(annotations: dict[Node, QuantizationAnnotation]) -> None:
+def share_inputs_of_cat(annotations: dict[Node, QuantizationAnnotation]) -> None:
     """An op whose output shares its first input's observer and that takes more
-    inputs (``torch.cat``): each input no quantized op produces (a float op's
-    output, a graph input) shares that observer too, as torch.ao FX does. With an
-    observer each, every such input was rounded to its own scale, then again to the
-    output's (cat of two ``cumsum``s: 31.1 dB against float, torch.ao 32.2). An input
-    a quantized op produces keeps reading that op's observer."""
+    inputs (``torch.cat``): every input shares that observer too, as torch.ao FX
+    (which points each input's observer at the first's) and torchao's PT2E (which
+    unites an input edge with its producer's output) do.
+
+    An input no quantized op produces (a float op's output, a graph input) had an
+    observer of its own: rounded to its scale, then again to the output's (cat of
+    two ``cumsum``s: 31.1 dB against float, torch.ao 32.2). One a quantized op
+    produces kept that op's: requantized in the cat (two convs: 0.4-1.0 dB below
+    torch.ao). Such a producer's observer joins the cat's, unless its spec is not an
+    observer's (fixed qparams: sigmoid's 1/256; derived) or of another dtype.
+    """
     for node, annotation in annotations.items():
         output = annotation.output_qspec
         if not isinstance(output, SharedQuantizationSpec) or len(annotation.input_qspec_map) < 2:
@@ -382,11 +388,50 @@ def share_float_inputs_of_cat(annotations: dict[Node, QuantizationAnnotation]) -
         if not (isinstance(first, tuple) and first[1] is node):
             continue
         for producer, spec in list(annotation.input_qspec_map.items()):
-            if (producer, node) == first or isinstance(spec, SharedQuantizationSpec):
+            if (producer, node) == first or getattr(spec, "is_dynamic", False):
                 continue
-            if getattr(spec, "is_dynamic", False) or _resolved(producer, annotations) is not None:
+            if not isinstance(spec, SharedQuantizationSpec):
+                if _resolved(producer, annotations) is None:  # nothing quantized it
+                    annotation.input_qspec_map[producer] = SharedQuantizationSpec(first)
                 continue
-            annotation.input_qspec_map[producer] = SharedQuantizationSpec(first)
+            _join(_root_point(producer, annotations), first, annotations)
+
+
+def _root_point(point: Any, annotations: dict[Node, QuantizationAnnotation]) -> Any:
+    """The point (node or edge) whose spec ``point``'s SharedQuantizationSpecs end at."""
+    seen = set()
+    while id(point) not in seen:
+        seen.add(id(point))
+        if isinstance(point, tuple):
+            annotation = annotations.get(point[1])
+            spec = annotation.input_qspec_map.get(point[0]) if annotation else None
+        else:
+            annotation = annotations.get(point)
+            spec = annotation.output_qspec if annotation else None
+        if not isinstance(spec, SharedQuantizationSpec):
+            return point
+        point = spec.edge_or_node
+    return point
+
+
+def _join(root: Any, first: Any, annotations: dict[Node, QuantizationAnnotation]) -> None:
+    """Make ``root``'s observer ``first``'s where both are plain observers alike."""
+    target = _root_point(first, annotations)
+    if root is target or root == target:
+        return
+    mine, theirs = _resolved(root, annotations), _resolved(target, annotations)
+    if type(mine) is not QuantizationSpec or type(theirs) is not QuantizationSpec:
+        return  # fixed qparams, derived, or nothing: not an observer to share
+
+    def kind(spec: QuantizationSpec) -> tuple:
+        return spec.dtype, spec.qscheme, spec.quant_min, spec.quant_max, spec.is_dynamic
+
+    if mine.is_dynamic or kind(mine) != kind(theirs):
+        return
+    if isinstance(root, tuple):
+        annotations[root[1]].input_qspec_map[root[0]] = SharedQuantizationSpec(target)
+    else:
+        annotations[root].output_qspec = SharedQuantizationSpec(target)
 
 
 def _annotate_custom_call(
