@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import warnings
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import torch
@@ -52,6 +53,7 @@ from qcore.engine.reference import ReferenceModule
 from qcore.engine.scripting import keep_model_when_scripted
 from qcore.engine.standalone import convert_standalone_modules, input_qparams
 from qcore.engine.trace import copy_modes, trace
+from qcore.observers.fake_quantize import fixed_qparams_module
 from qcore.plugin import NATIVE, BackendLoadError, UnknownBackendError, get_backend, list_backends
 
 __all__ = [
@@ -159,18 +161,6 @@ def get_default_qat_qconfig_mapping(backend: str = "x86") -> Any:
     return _named_backend_mapping(backend, True)
 
 
-def _make_fixed(spec: Any) -> torch.nn.Module:
-    from qcore.observers import FixedQParamsObserver
-
-    return FixedQParamsObserver(
-        scale=spec.scale,
-        zero_point=spec.zero_point,
-        dtype=spec.dtype,
-        quant_min=spec.quant_min if spec.quant_min is not None else 0,
-        quant_max=spec.quant_max if spec.quant_max is not None else 255,
-    )
-
-
 def _check_inputs(example_inputs: Any) -> tuple:
     """The positional inputs as a tuple: a tuple as is, a list as its items, a tensor alone."""
     if isinstance(example_inputs, tuple):
@@ -229,7 +219,7 @@ def _prepare(
         kernels,
         is_qat=is_qat,
         custom_config=custom_config,
-        make_fixed=_make_fixed,
+        make_fixed=partial(fixed_qparams_module, is_qat=is_qat),
         prepare_standalone=lambda module, settings, qconfig: _prepare(
             module,
             # torch.ao's defaults: the call's QConfig in the parent, the parent's backend

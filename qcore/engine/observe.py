@@ -131,7 +131,9 @@ def _build(spec: QuantizationSpec) -> Any:
         kwargs.update(quant_min=spec.quant_min, quant_max=spec.quant_max)
     if spec.qscheme is not None:
         kwargs["qscheme"] = spec.qscheme
-    if spec.ch_axis is not None:
+    if spec.ch_axis is not None and _builds_per_channel(spec.observer_or_fake_quant_ctr):
+        # torchao passes ch_axis only to per-channel observers: a per-tensor
+        # weight spec may name one (the tutorial's: ch_axis=0)
         kwargs["ch_axis"] = spec.ch_axis
     if spec.is_dynamic:
         kwargs["is_dynamic"] = True
@@ -142,8 +144,36 @@ def _build(spec: QuantizationSpec) -> Any:
         return ctr(**kwargs)
     except TypeError:
         # A constructor whose arguments are already bound (with_args) or that
-        # takes fewer keywords: it knows its own settings.
-        return ctr()
+        # takes fewer keywords: it knows its own settings, which must be the spec's.
+        observer = ctr()
+    _check_matches_spec(observer, spec)
+    return observer
+
+
+def _builds_per_channel(ctr: Any) -> bool:
+    """Whether ``ctr`` builds a per-channel observer, or a fake quant around one."""
+    bound = getattr(getattr(ctr, "p", None), "keywords", None) or getattr(ctr, "keywords", {})
+    made = getattr(getattr(ctr, "p", None), "func", None) or getattr(ctr, "func", ctr)
+    observer = bound.get("observer") if isinstance(bound, dict) else None
+    names = [getattr(made, "__name__", ""), getattr(observer, "__name__", "")]
+    inner = getattr(getattr(observer, "p", None), "func", None)
+    names.append(getattr(inner, "__name__", ""))
+    return any("PerChannel" in name for name in names)
+
+
+def _check_matches_spec(observer: Any, spec: QuantizationSpec) -> None:
+    """A constructor that would not take the spec's settings must have built them:
+    otherwise the spec's dtype or range was silently lost."""
+    for field_name in ("dtype", "qscheme", "quant_min", "quant_max"):
+        wanted = getattr(spec, field_name)
+        built = getattr(observer, field_name, wanted)
+        if wanted is not None and built != wanted:
+            raise TypeError(
+                f"QuantizationSpec.{field_name} is {wanted}, but its observer_or_fake_quant_ctr "
+                f"{describe(spec.observer_or_fake_quant_ctr)} would not take the spec's "
+                f"settings as keywords and built {field_name}={built}; bind them with "
+                "with_args(...) or accept dtype, qscheme, quant_min and quant_max"
+            )
 
 
 # What makes two specs describe the same quantization (torchao's implicit-sharing

@@ -26,6 +26,7 @@ __all__ = [
     "FakeQuantize",
     "FakeQuantizeBase",
     "FixedQParamsFakeQuantize",
+    "fixed_qparams_module",
     "FusedMovingAvgObsFakeQuantize",
     "disable_fake_quant",
     "disable_observer",
@@ -182,6 +183,31 @@ class FixedQParamsFakeQuantize(FakeQuantize):
             f"zero_point={self.zero_point}, dtype={self.dtype}, quant_min={post.quant_min}, "
             f"quant_max={post.quant_max}, qscheme={self.qscheme}"
         )
+
+
+def fixed_qparams_module(spec: Any, is_qat: bool = False) -> torch.nn.Module:
+    """What a FixedQParamsQuantizationSpec builds: a FixedQParamsObserver, wrapped in
+    a FixedQParamsFakeQuantize for quantization-aware training (torchao's rule), so
+    training sees the op's output rounded. A range left None is the dtype's."""
+    quant_min, quant_max = spec.quant_min, spec.quant_max
+    if quant_min is None or quant_max is None:
+        info = torch.iinfo(_as_integer_dtype(spec.dtype))
+        quant_min = info.min if quant_min is None else quant_min
+        quant_max = info.max if quant_max is None else quant_max
+    observer = FixedQParamsObserver.with_args(
+        scale=spec.scale,
+        zero_point=spec.zero_point,
+        dtype=spec.dtype,
+        qscheme=spec.qscheme or torch.per_tensor_affine,
+        quant_min=quant_min,
+        quant_max=quant_max,
+    )
+    return FixedQParamsFakeQuantize(observer) if is_qat else observer()
+
+
+def _as_integer_dtype(dtype: torch.dtype) -> torch.dtype:
+    quantized = {torch.quint8: torch.uint8, torch.qint8: torch.int8, torch.qint32: torch.int32}
+    return quantized.get(dtype, dtype)
 
 
 class FusedMovingAvgObsFakeQuantize(FakeQuantize):

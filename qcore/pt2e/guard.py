@@ -9,6 +9,8 @@ still reject inputs the graph was specialised away from.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.fx import GraphModule, Node
 
@@ -196,7 +198,7 @@ def replace_export_guard(gm: GraphModule) -> None:
     (:class:`ExportedCodeTracer` can, and takes symbolic sizes).
     """
     for node in gm.graph.find_nodes(op="call_module", target="_guards_fn"):
-        guarded = [arg for arg in node.args if isinstance(arg, Node)]
+        guarded = [_the_input(arg) for arg in node.args if isinstance(arg, Node)]
         gm._guards_fn = InputShapeGuard(
             tuple(str(arg.target) for arg in guarded),  # the user's argument names
             tuple(_shape_of(arg) for arg in guarded),
@@ -214,5 +216,14 @@ def run_guard_first(gm: GraphModule) -> None:
     the quantize ops convert puts in their place), so bad inputs meet it first."""
     for node in gm.graph.find_nodes(op="call_module", target="_guards_fn"):
         *_, last_input = gm.graph.find_nodes(op="placeholder")
+        # it reads the user's inputs themselves, not the observers (or quantize
+        # ops) a quantizer annotating a graph input put between
+        node.args = tuple(_the_input(arg) for arg in node.args)
         last_input.append(node)
         gm.recompile()
+
+
+def _the_input(arg: Any) -> Any:
+    while isinstance(arg, Node) and arg.op != "placeholder" and arg.args:
+        arg = arg.args[0]
+    return arg

@@ -23,6 +23,7 @@ from qcore.config.errors import QCoreWarning, caller_stacklevel, describe
 from qcore.engine.explain import Entry, Report, Status, attach_report
 from qcore.engine.observe import ObserverPlan, insert_observers
 from qcore.observers import register_with_torchao
+from qcore.observers.fake_quantize import fixed_qparams_module
 from qcore.pt2e.aliasing import make_writes_visible
 from qcore.pt2e.backend_quantizer import PATTERN_KEY, REASON_KEY
 from qcore.pt2e.fold import fold_conv_bn, fold_linear_bn
@@ -109,18 +110,6 @@ def _installed_kernels(name: str) -> tuple:
         return get_backend(name).kernels
     except (UnknownBackendError, BackendLoadError):
         return ()
-
-
-def _make_fixed(spec: Any) -> torch.nn.Module:
-    from qcore.observers import FixedQParamsObserver
-
-    return FixedQParamsObserver(
-        scale=spec.scale,
-        zero_point=spec.zero_point,
-        dtype=spec.dtype,
-        quant_min=spec.quant_min if spec.quant_min is not None else 0,
-        quant_max=spec.quant_max if spec.quant_max is not None else 255,
-    )
 
 
 def _run_callback(gm: GraphModule, quantizer: Quantizer, plan: ObserverPlan) -> None:
@@ -283,7 +272,7 @@ def _prepare_graph(
     plan = insert_observers(
         gm,
         annotations,
-        _make_fixed,
+        partial(fixed_qparams_module, is_qat=is_qat),
         make_observer=partial(observer_like_torchao, is_qat=is_qat) if foreign else None,
         observe_edge=lambda producer, consumer: not _writes_buffer(consumer, producer, buffers),
         observe_output=_is_tensor_output,
