@@ -20,7 +20,20 @@ from torch.fx import GraphModule, Node
 
 from qcore.engine.observe import OBSERVER_PREFIX
 
-__all__ = ["Constants", "attribute", "observe_constants", "unobserved"]
+__all__ = [
+    "CONSTANT_MATH_REASON",
+    "Constants",
+    "attribute",
+    "observe_constants",
+    "reached_by_inputs",
+    "unobserved",
+]
+
+#: Why an op no model input's values reach stays float (explain's reason).
+CONSTANT_MATH_REASON = (
+    "computes on the model's constants and sizes only (no input's values reach it, as "
+    "rotary position angles): float is exact there, and 8 bits would round every value"
+)
 
 
 def unobserved(observer: torch.nn.Module) -> bool:
@@ -161,3 +174,22 @@ class Constants:
                 else:
                     values[node] = node.target(*args, **kwargs)
         return values[node]
+
+
+def reached_by_inputs(gm: GraphModule, is_tensor: Any) -> set[Node]:
+    """The nodes whose values a model input's values reach, through tensors.
+
+    A size read off an input (``x.shape[1]``, ``aten.sym_size``) is not a tensor and
+    carries no values on: ``arange(x.shape[1]) * inv_freq`` (rotary position angles)
+    is not reached, nor anything computed from parameters and buffers alone. A
+    buffer the forward writes into counts as reached (it holds what was written).
+    ``is_tensor(node)`` says whether a node's value is a tensor.
+    """
+    written = _written_buffers(gm)
+    reached: set[Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" or node.op == "get_attr" and node.target in written:
+            reached.add(node)
+        elif any(arg in reached and is_tensor(arg) for arg in node.all_input_nodes):
+            reached.add(node)
+    return reached

@@ -23,6 +23,7 @@ from qcore.config.errors import QCoreWarning, caller_stacklevel
 from qcore.engine.backend_annotator import Decision, annotate_with_backend_config, spec_from_ctr
 from qcore.engine.boundaries import output_values
 from qcore.engine.collector import collector_paused
+from qcore.engine.constants import reached_by_inputs
 from qcore.engine.custom_modules import CustomCall, swap_observed
 from qcore.engine.explain import Entry, Report, Status, attach_report
 from qcore.engine.fidelity import cloned, record_shapes
@@ -139,17 +140,30 @@ def _float_valued(gm: GraphModule) -> set[Node]:
     return {node for node in gm.graph.nodes if _holds_float(node.meta.get("tensor_meta"))}
 
 
+def _carries_values(node: Node, tensor_nodes: set[Node]) -> bool:
+    """A tensor of any dtype (integer indices too), not a size: what the probe
+    recorded, or where it did not run, what was inferred."""
+    if "type" in node.meta:
+        return _holds(node.meta.get("tensor_meta"), lambda meta: True)
+    return node in tensor_nodes or node.op == "placeholder"
+
+
 def _holds_float(meta: Any) -> bool:
     """A floating-point tensor, or a container holding one: what can be quantized.
 
     Bool masks and integer indices are tensors too, but never observed.
     """
+    return _holds(meta, lambda tensor: tensor.dtype.is_floating_point)
+
+
+def _holds(meta: Any, wanted: Any) -> bool:
+    """A tensor's recorded metadata ``wanted`` accepts, or a container holding one."""
     if isinstance(meta, TensorMetadata):
-        return meta.dtype.is_floating_point
+        return wanted(meta)
     if isinstance(meta, (list, tuple)):
-        return any(_holds_float(item) for item in meta)
+        return any(_holds(item, wanted) for item in meta)
     if isinstance(meta, dict):
-        return any(_holds_float(item) for item in meta.values())
+        return any(_holds(item, wanted) for item in meta.values())
     return False
 
 
@@ -262,8 +276,9 @@ def prepare(
     )
     modules = dict(gm.named_modules(remove_duplicate=False))
     observed_calls = {node: call.qconfig for node, call in custom_calls.items() if call.static}
+    reached = reached_by_inputs(gm, lambda node: _carries_values(node, tensor_nodes))
     annotations, decisions, entries = annotate_with_backend_config(
-        nodes, modules, backend_config, qconfigs, tensor_nodes, notes, observed_calls
+        nodes, modules, backend_config, qconfigs, tensor_nodes, notes, observed_calls, reached
     )
     annotate_standalone_inputs(standalone_calls, qconfigs, annotations, entries)
     _observe_quantized_outputs(gm, annotations, qconfigs, qconfig_mapping, custom_config)

@@ -26,9 +26,10 @@ from qcore.config import BackendConfig, BackendPatternConfig, DTypeConfig, Obser
 from qcore.config.compat import find_accepting_dtype_config
 from qcore.config.errors import describe
 from qcore.engine.backend_annotator import is_quantized_dtype
+from qcore.engine.constants import CONSTANT_MATH_REASON, reached_by_inputs
 from qcore.engine.float_islands import float_input_reason, fused_only_ops
 from qcore.pt2e.canonical import canonicalize
-from qcore.pt2e.graph import is_tensor_node
+from qcore.pt2e.graph import carries_values, is_tensor_node
 from qcore.pt2e.patterns import WEIGHTED, aten_ops, aten_pattern, match_aten, packet, pattern_size
 from qcore.quantizer.quantizer import ANNOTATION_KEY, Quantizer
 from qcore.quantizer.spec import (
@@ -212,12 +213,16 @@ class BackendQuantizer(Quantizer):
     def _match(self, model: GraphModule) -> dict[Node, tuple]:
         self.shadowed, self.rejected = [], []
         matched: dict[Node, tuple] = {}
+        reached = reached_by_inputs(model, carries_values)
         for node in reversed(model.graph.nodes):
             if node.op != "call_function" or node in matched:
                 continue
             if not _floating_output(node):
                 # integer arithmetic (position ids, lengths): no observer takes it
                 node.meta[REASON_KEY] = "computes no floating-point tensor (integers, a mask)"
+                continue
+            if node not in reached:
+                node.meta[REASON_KEY] = CONSTANT_MATH_REASON
                 continue
             reasons = []
             for rule in self.rules:

@@ -23,6 +23,7 @@ __all__ = [
     "AnnotationError",
     "annotations_of",
     "as_exported_module",
+    "carries_values",
     "is_tensor_node",
     "refuse_train_eval",
 ]
@@ -106,6 +107,17 @@ def is_tensor_node(node: Any) -> bool:
         return False
     value = node.meta.get("val")
     return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def carries_values(node: Any) -> bool:
+    """Whether ``node``'s value is a tensor of any dtype (integer indices too) or a
+    tuple or list holding one: not a size or another Python value."""
+    if not isinstance(node, Node):
+        return False
+    value = node.meta.get("val")
+    if isinstance(value, (tuple, list)):
+        return any(isinstance(item, torch.Tensor) for item in value)
+    return isinstance(value, torch.Tensor)
 
 
 def _flat_args(node: Node) -> set[Node]:
