@@ -133,6 +133,28 @@ def test_dynamic_and_embedding_quantizers_composed_match_torchao():
     torch.testing.assert_close(ours(indices), theirs(indices), atol=1e-5, rtol=0)
 
 
+def test_qcores_embedding_quantizer_ports_torchaos_with_changed_imports():
+    """``ComposableQuantizer([EmbeddingQuantizer(), ...])`` written against qcore's
+    classes gives torchao's graph and numbers (qcore had no EmbeddingQuantizer, and
+    its ComposableQuantizer refuses torchao's, naming qcore's)."""
+    model = nn.Sequential(nn.Embedding(10, 16), nn.Linear(16, 4))
+    indices = (torch.tensor([[1, 4, 2, 9, 0]]),)
+    torchao_model = torchao_pt2e.prepare_pt2e(
+        _export(copy.deepcopy(model), indices), ComposableQuantizer([EmbeddingQuantizer()])
+    )
+    torchao_model(*indices)
+    theirs = torchao_pt2e.convert_pt2e(torchao_model)
+    composed = qcore.quantizer.ComposableQuantizer([qcore.quantizer.EmbeddingQuantizer()])
+    prepared = qcore.prepare_pt2e(_export(copy.deepcopy(model), indices), composed)
+    prepared(*indices)
+    ours = qcore.convert_pt2e(prepared, lower=False)
+    assert _counts(ours, QDQ) == _counts(theirs, QDQ)
+    assert _counts(ours, QDQ)[QD.dequantize_per_channel.default] == 1
+    assert torch.equal(ours(*indices), theirs(*indices))
+    with pytest.raises(qcore.ConfigError, match=r"quantizers\[0\]: got .*torchao's Embedding"):
+        qcore.quantizer.ComposableQuantizer([EmbeddingQuantizer()])
+
+
 class SigmoidAdd(nn.Module):
     def forward(self, x, y):
         return torch.sigmoid(x) + y

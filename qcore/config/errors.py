@@ -48,7 +48,10 @@ def describe(value: Any) -> str:
         text = f"<unprintable: {type(error).__name__}>"
     if len(text) > 80:
         text = text[:77] + "..."
-    if type(value).__module__.startswith(("torch.ao.", "torchao.")):
+    if type(value).__module__.startswith("torchao."):
+        # torchao's PT2E classes (Quantizer, QuantizationSpec) carry qcore's names too
+        return f"{text} (torchao's {type(value).__name__})"
+    if type(value).__module__.startswith("torch.ao."):
         # same class names as qcore's: "got DTypeConfig; expected a DTypeConfig" misleads
         return (
             f"{text} (torch.ao's {type(value).__name__}: qcore.config.torch_ao converts "

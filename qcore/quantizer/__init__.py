@@ -1,6 +1,7 @@
 """Layer 2, quantizer: the annotation API both front doors produce."""
 
 from qcore.observers import ObserverOrFakeQuantize
+from qcore.quantizer.embedding import EmbeddingQuantizer
 from qcore.quantizer.quantizer import (
     ANNOTATION_KEY,
     AnnotationChange,
@@ -24,6 +25,7 @@ __all__ = [
     "ComposableQuantizer",
     "DerivedQuantizationSpec",
     "EdgeOrNode",
+    "EmbeddingQuantizer",
     "FixedQParamsQuantizationSpec",
     "ObserverOrFakeQuantize",
     "QuantizationAnnotation",

@@ -127,7 +127,13 @@ class ComposableQuantizer(Quantizer):
         quantizers = list(quantizers)
         for index, quantizer in enumerate(quantizers):
             if not isinstance(quantizer, Quantizer):
-                raise invalid(f"quantizers[{index}]", quantizer, "a qcore Quantizer")
+                raise invalid(
+                    f"quantizers[{index}]",
+                    quantizer,
+                    "a qcore Quantizer (qcore.quantizer.EmbeddingQuantizer is torchao's "
+                    "EmbeddingQuantizer; qcore.prepare_pt2e also takes a torchao Quantizer, "
+                    "or torchao's ComposableQuantizer, alone)",
+                )
         self.quantizers = quantizers
         self.strict = strict
         self.changes: list[AnnotationChange] = []
