@@ -1187,8 +1187,16 @@ def _read(f: FileLike) -> Any:
             # torch.jit.load: with weights_only=True it refuses it instead.
             warnings.filterwarnings("ignore", "'torch.load' received a zip file", UserWarning)
             return torch.load(f, map_location="cpu", weights_only=True)
-    except OSError:
+    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError):
         raise
+    except OSError as error:
+        # torch's zip reader raises EINVAL for an archive cut short: the file opened,
+        # so it is the content, not the path, that is wrong.
+        raise RefusedFileError(
+            f"qcore.load refused {_name_of(f)}: torch.load(weights_only=True) cannot read it "
+            f"({type(error).__name__}: {error}): the archive is truncated or corrupt; "
+            "qcore.load reads files written by qcore.save"
+        ) from None
     except pickle.UnpicklingError as error:
         lines = str(error).strip().splitlines()
         named = next((line.strip() for line in lines if "GLOBAL" in line), "")

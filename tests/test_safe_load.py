@@ -391,6 +391,19 @@ def test_files_that_are_not_qcore_files_are_refused(tmp_path):
         qcore.load(tmp_path / "missing.pt")
 
 
+@pytest.mark.parametrize("cut", [10, 50, 100])
+def test_a_truncated_qcore_file_is_refused_as_truncated(cut, tmp_path):
+    """torch's zip reader raises a bare OSError (EINVAL) for an archive cut short
+    near its end; qcore.load passed every OSError through as if the path were wrong."""
+    path = tmp_path / "model.qcore"
+    qcore.save(_tiny_converted(), path)
+    path.write_bytes(path.read_bytes()[:-cut])
+    with pytest.raises(qcore.RefusedFileError) as refused:
+        qcore.load(path)
+    assert str(path) in str(refused.value)
+    assert "truncated or corrupt" in str(refused.value)
+
+
 # Each edit turns a legitimate qcore.save file into one that would run the marker
 # command, reach Python internals or name something outside the allow-lists.
 
