@@ -40,6 +40,7 @@ from qcore.engine.convert_mapping import with_convert_mapping
 from qcore.engine.custom_config import (
     as_custom_config,
     copy_preserved,
+    warn_unmatched_names,
 )
 from qcore.engine.custom_modules import custom_kernels, quantize_inputs_for, swap_quantized
 from qcore.engine.custom_tuples import tuple_output_qparams
@@ -232,6 +233,7 @@ def _prepare(
             inputs_optional=True,
         ),
     )
+    warn_unmatched_names(model, custom_config)
     copy_preserved(model, prepared, custom_config.preserved_attributes)
     return prepared
 

@@ -8,6 +8,7 @@ refused with an error naming it.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from torch.ao.quantization import (
 from torch.ao.quantization.fx.custom_config import ConvertCustomConfig, PrepareCustomConfig
 
 import qcore
-from qcore.config.errors import describe
+from qcore.config.errors import QCoreWarning, describe
 from qcore.engine.custom_config import UnsupportedSetting
 
 pytestmark = requires_fbgemm
@@ -354,3 +355,24 @@ def test_custom_module_classes_not_in_a_dict_are_refused_naming_the_quant_type()
         f"{describe([nn.Linear])}; expected a dict of classes ({{float class: observed "
         "class} or {observed class: quantized class})"
     )
+
+
+def test_custom_config_names_that_name_no_module_warn_once():
+    """A typo there quietly traced and quantized the module meant to stay untraced or
+    standalone; the same typo in a QConfigMapping warns."""
+    model, x = TwoLinears().eval(), torch.randn(8, 4)
+    config = {
+        "non_traceable_module_name": ["frist", "second"],
+        "standalone_module_name": [("secnod", None, None, None)],
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qcore.prepare_fx(model, default_qconfig_mapping(), (x,), "fbgemm", config)
+    unmatched = [str(w.message) for w in caught if "names no module" in str(w.message)]
+    assert [w.category for w in caught if "names no module" in str(w.message)] == [QCoreWarning]
+    assert unmatched == [
+        "prepare: prepare_custom_config sets non_traceable_module_names 'frist'; "
+        "standalone_module_names 'secnod', which names no module of the model: no module "
+        "is left untraced or prepared standalone by it. Module names are those of "
+        "model.named_modules()."
+    ]

@@ -9,13 +9,14 @@ the setting, so nothing a porting user wrote is silently dropped.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from qcore.config.errors import describe
+from qcore.config.errors import QCoreWarning, caller_stacklevel, describe
 
 __all__ = [
     "CustomConfig",
@@ -23,6 +24,7 @@ __all__ = [
     "UnsupportedSetting",
     "as_custom_config",
     "copy_preserved",
+    "warn_unmatched_names",
 ]
 
 
@@ -274,6 +276,29 @@ def _standalone(value: Any, where: str, key_type: type) -> dict:
             expected = "module names (str)" if key_type is str else "torch.nn.Module subclasses"
             raise TypeError(f"{where}: got {describe(key)}; expected {expected}")
     return entries
+
+
+def warn_unmatched_names(model: torch.nn.Module, config: CustomConfig) -> None:
+    """One warning for the module names ``config`` gives that name no module of
+    ``model``: a typo there traces and quantizes, silently, the module the user meant
+    to keep untraced or standalone (as a typo in a QConfigMapping's names warns)."""
+    names = {name for name, _ in model.named_modules()}
+    unmatched = [
+        f"non_traceable_module_names {name!r}"
+        for name in config.non_traceable_module_names
+        if name not in names
+    ]
+    unmatched += [
+        f"standalone_module_names {name!r}" for name in config.standalone_names if name not in names
+    ]
+    if unmatched:
+        warnings.warn(
+            f"prepare: prepare_custom_config sets {'; '.join(unmatched)}, which names no "
+            "module of the model: no module is left untraced or prepared standalone by it. "
+            "Module names are those of model.named_modules().",
+            QCoreWarning,
+            stacklevel=caller_stacklevel(),
+        )
 
 
 def _is_module_class(value: Any) -> bool:
