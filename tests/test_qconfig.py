@@ -338,3 +338,60 @@ def test_a_mapping_key_of_the_wrong_kind_is_refused_naming_the_argument(
         set_entry(mapping, value)
     assert str(refused.value) == f"{field}: got {describe_value(value)}; expected {expected}"
     assert mapping.to_dict() == QConfigMapping().to_dict()
+
+
+@pytest.mark.parametrize(
+    ("qconfig_dict", "field", "value", "expected"),
+    [
+        # each raised Python's own unpacking error, naming neither key nor entry
+        (
+            {"object_type": torch.nn.Linear},
+            "['object_type']",
+            torch.nn.Linear,
+            "a list of pairs (object_type, qconfig)",
+        ),
+        (
+            {"object_type": [(torch.nn.Linear,)]},
+            "['object_type'][0]",
+            (torch.nn.Linear,),
+            "a pair (object_type, qconfig)",
+        ),
+        (
+            {"object_type": {torch.nn.Linear: default_qconfig}},
+            "['object_type']",
+            {torch.nn.Linear: default_qconfig},
+            "a list of pairs (object_type, qconfig)",
+        ),
+        (
+            {"module_name": {"fc": default_qconfig}},
+            "['module_name']",
+            {"fc": default_qconfig},
+            "a list of pairs (module_name, qconfig)",
+        ),
+        (
+            {"module_name_object_type_order": [("fc", torch.nn.Linear, default_qconfig)]},
+            "['module_name_object_type_order'][0]",
+            ("fc", torch.nn.Linear, default_qconfig),
+            "a tuple (module_name, object_type, index, qconfig)",
+        ),
+        (None, "", None, "a dict (torch.ao's qconfig_dict form)"),
+    ],
+)
+def test_a_qconfig_dict_of_the_wrong_shape_is_refused_naming_the_entry(
+    qconfig_dict, field, value, expected
+):
+    with pytest.raises(TypeError) as refused:
+        QConfigMapping.from_dict(qconfig_dict)
+    assert str(refused.value) == (
+        f"QConfigMapping.from_dict{field}: got {describe_value(value)}; expected {expected}"
+    )
+
+
+def test_a_qconfig_dict_entry_a_setter_refuses_names_the_entry():
+    qconfig_dict = {"module_name": [("fc", None), (3, None)]}
+    with pytest.raises(TypeError) as refused:
+        as_qconfig_mapping(qconfig_dict)  # as prepare_fx reads a legacy qconfig dict
+    assert str(refused.value) == (
+        "QConfigMapping.from_dict['module_name'][1]: set_module_name(module_name): got 3 "
+        "(int); expected a module name (str) such as 'encoder.fc'"
+    )

@@ -241,23 +241,49 @@ class QConfigMapping:
 
     @classmethod
     def from_dict(cls, qconfig_dict: dict[str, Any]) -> QConfigMapping:
+        where = "QConfigMapping.from_dict"
+        if not isinstance(qconfig_dict, dict):
+            raise TypeError(
+                f"{where}: got {describe(qconfig_dict)}; expected a dict (torch.ao's "
+                "qconfig_dict form)"
+            )
         unknown = set(qconfig_dict) - {_GLOBAL, _OBJECT_TYPE, _REGEX, _NAME, _ORDER}
         if unknown:
             raise ValueError(
-                f"QConfigMapping.from_dict: unknown keys {sorted(unknown)}; expected "
+                f"{where}: unknown keys {sorted(unknown, key=repr)}; expected "
                 f"{[_GLOBAL, _OBJECT_TYPE, _REGEX, _NAME, _ORDER]}"
             )
         mapping = cls()
         if _GLOBAL in qconfig_dict:
             mapping.set_global(qconfig_dict[_GLOBAL])
-        for object_type, qconfig in qconfig_dict.get(_OBJECT_TYPE, []):
-            mapping.set_object_type(object_type, qconfig)
-        for regex, qconfig in qconfig_dict.get(_REGEX, []):
-            mapping.set_module_name_regex(regex, qconfig)
-        for name, qconfig in qconfig_dict.get(_NAME, []):
-            mapping.set_module_name(name, qconfig)
-        for name, object_type, index, qconfig in qconfig_dict.get(_ORDER, []):
-            mapping.set_module_name_object_type_order(name, object_type, index, qconfig)
+        setters = (
+            (_OBJECT_TYPE, mapping.set_object_type, "pair", "(object_type, qconfig)"),
+            (_REGEX, mapping.set_module_name_regex, "pair", "(module_name_regex, qconfig)"),
+            (_NAME, mapping.set_module_name, "pair", "(module_name, qconfig)"),
+            (
+                _ORDER,
+                mapping.set_module_name_object_type_order,
+                "tuple",
+                "(module_name, object_type, index, qconfig)",
+            ),
+        )
+        for key, setter, kind, fields in setters:
+            entries = qconfig_dict.get(key, [])
+            if not isinstance(entries, (list, tuple)):
+                raise TypeError(
+                    f"{where}[{key!r}]: got {describe(entries)}; expected a list of "
+                    f"{kind}s {fields}"
+                )
+            for i, entry in enumerate(entries):
+                if not isinstance(entry, (list, tuple)) or len(entry) != fields.count(",") + 1:
+                    raise TypeError(
+                        f"{where}[{key!r}][{i}]: got {describe(entry)}; expected a {kind} {fields}"
+                    )
+                try:
+                    setter(*entry)
+                except (TypeError, ValueError) as error:
+                    # the setter names its argument; this names the entry it came from
+                    raise type(error)(f"{where}[{key!r}][{i}]: {error}") from None
         return mapping
 
     def __repr__(self) -> str:
