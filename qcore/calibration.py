@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-__all__ = ["calibration_calls"]
+__all__ = ["calibration_calls", "raise_in_batch"]
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -140,3 +140,19 @@ def calibration_calls(
             f"calibration_data: got {_summary(calibration_data)}, which gave no batches; "
             "expected at least one (a generator can be iterated once only: pass a list)"
         )
+
+
+# Exception types rebuilt from their message alone, nothing else lost (an OSError's
+# errno would be, a KeyError's str quotes its message): the others get a note.
+_REBUILT_FROM_MESSAGE = (RuntimeError, ValueError, TypeError, IndexError)
+
+
+def raise_in_batch(error: Exception, index: int) -> NoReturn:
+    """Raise ``error``, raised by the model on calibration batch ``index``, saying
+    which batch: its message prefixed ``calibration batch {index}: `` as
+    calibration_calls' own errors are, its type and traceback kept."""
+    if type(error) not in _REBUILT_FROM_MESSAGE:
+        error.add_note(f"calibration batch {index}: the model raised this on it")
+        raise error
+    located = type(error)(f"calibration batch {index}: {error}")
+    raise located.with_traceback(error.__traceback__) from error.__cause__
