@@ -23,6 +23,8 @@ from typing import Any, NoReturn
 
 import torch
 
+from qcore.config.errors import raise_prefixed
+
 __all__ = ["calibration_calls", "raise_in_batch"]
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -142,17 +144,7 @@ def calibration_calls(
         )
 
 
-# Exception types rebuilt from their message alone, nothing else lost (an OSError's
-# errno would be, a KeyError's str quotes its message): the others get a note.
-_REBUILT_FROM_MESSAGE = (RuntimeError, ValueError, TypeError, IndexError)
-
-
 def raise_in_batch(error: Exception, index: int) -> NoReturn:
     """Raise ``error``, raised by the model on calibration batch ``index``, saying
-    which batch: its message prefixed ``calibration batch {index}: `` as
-    calibration_calls' own errors are, its type and traceback kept."""
-    if type(error) not in _REBUILT_FROM_MESSAGE:
-        error.add_note(f"calibration batch {index}: the model raised this on it")
-        raise error
-    located = type(error)(f"calibration batch {index}: {error}")
-    raise located.with_traceback(error.__traceback__) from error.__cause__
+    which batch, as calibration_calls' own errors do."""
+    raise_prefixed(error, f"calibration batch {index}")

@@ -161,7 +161,7 @@ def test_an_error_not_rebuilt_from_its_message_gets_a_note_naming_the_batch():
             original = error
             raise_in_batch(error, 3)
     assert raised.value is original
-    assert raised.value.__notes__ == ["calibration batch 3: the model raised this on it"]
+    assert raised.value.__notes__ == ["calibration batch 3: raised this"]
 
 
 @pytest.mark.parametrize("backend", BACKEND)
