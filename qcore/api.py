@@ -40,6 +40,7 @@ from qcore.engine.convert_mapping import with_convert_mapping
 from qcore.engine.custom_config import (
     as_custom_config,
     copy_preserved,
+    warn_unmatched_names,
 )
 from qcore.engine.custom_modules import custom_kernels, quantize_inputs_for, swap_quantized
 from qcore.engine.custom_tuples import tuple_output_qparams
@@ -232,6 +233,7 @@ def _prepare(
             inputs_optional=True,
         ),
     )
+    warn_unmatched_names(model, custom_config)
     copy_preserved(model, prepared, custom_config.preserved_attributes)
     return prepared
 
@@ -499,7 +501,7 @@ def quantize(
         resolve_algorithms,
         run_stage,
     )
-    from qcore.calibration import calibration_calls
+    from qcore.calibration import calibration_calls, raise_in_batch
 
     if not isinstance(keep_float_if_slower, bool):
         raise TypeError(
@@ -523,8 +525,13 @@ def quantize(
             prepared, steps, BEFORE_CALIBRATION, calibration_data, input_fn
         )
         with torch.no_grad():
-            for args, kwargs in calibration_calls(model, calibration_data, input_fn):
-                prepared(*args, **kwargs)
+            for index, (args, kwargs) in enumerate(
+                calibration_calls(model, calibration_data, input_fn)
+            ):
+                try:
+                    prepared(*args, **kwargs)
+                except Exception as error:
+                    raise_in_batch(error, index)
         prepared, after = run_stage(prepared, steps, AFTER_CALIBRATION, calibration_data, input_fn)
         converted = convert_fx(prepared)
         if steps:  # each candidate its own: the last one built need not be the one chosen

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-__all__ = ["calibration_calls"]
+from qcore.config.errors import raise_prefixed
+
+__all__ = ["calibration_calls", "raise_in_batch"]
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -140,3 +142,9 @@ def calibration_calls(
             f"calibration_data: got {_summary(calibration_data)}, which gave no batches; "
             "expected at least one (a generator can be iterated once only: pass a list)"
         )
+
+
+def raise_in_batch(error: Exception, index: int) -> NoReturn:
+    """Raise ``error``, raised by the model on calibration batch ``index``, saying
+    which batch, as calibration_calls' own errors do."""
+    raise_prefixed(error, f"calibration batch {index}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -345,6 +346,26 @@ def _version() -> str:
     return f"qcore {__version__}"
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected an integer >= 1")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a finite number of decibels")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
@@ -398,10 +419,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="only this example model (repeatable)",
     )
     demo.add_argument("--path", action="append", choices=["fx", "pt2e"], help="only this path")
-    demo.add_argument("--batches", type=int, default=8, help="calibration batches (default 8)")
+    demo.add_argument(
+        "--batches", type=_positive_int, default=8, help="calibration batches (default 8)"
+    )
     demo.add_argument(
         "--min-sqnr",
-        type=float,
+        type=_finite_float,
         metavar="DB",
         help="also show the layers qcore.quantize(accuracy_budget=DB) keeps float on the FX "
         "path for an SQNR of at least DB dB, and why (about two conversions per conv/linear)",

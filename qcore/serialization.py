@@ -47,6 +47,8 @@ from typing import IO, Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from qcore.config.errors import describe
+
 __all__ = ["FORMAT", "VERSION", "RefusedFileError", "UnsupportedModelError", "load", "save"]
 
 FORMAT = "qcore.model"
@@ -166,6 +168,12 @@ class _AllowList:
         self.extra_classes: dict[str, type] = {}
         for name, value in _standard_functions():
             self.functions.setdefault(name, value)
+        # a class alone is refused too: an Enum class iterates over its members
+        if isinstance(allow, (str, bytes, type)) or not isinstance(allow, Iterable):
+            raise TypeError(
+                f"allow: got {describe(allow)}; expected a list of classes (nn.Module "
+                "subclasses, dataclasses, enums) or functions"
+            )
         for item in allow:
             if isinstance(item, type):
                 self.extra_classes[_class_key(item)] = item
@@ -723,6 +731,10 @@ def save(model: torch.nn.Module, f: FileLike, *, allow: Iterable[Any] = ()) -> N
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: got {type(model).__name__}; expected a torch.nn.Module")
+    if isinstance(f, (str, os.PathLike)) and os.path.isdir(f):
+        raise IsADirectoryError(
+            f"f: got {os.fspath(f)!r}, a directory; expected the path of a file to write"
+        )
     _import_qcore_classes()
     backends = _backends_of(model)
     encoder = _Encoder(_AllowList(allow, backends))
@@ -1187,8 +1199,16 @@ def _read(f: FileLike) -> Any:
             # torch.jit.load: with weights_only=True it refuses it instead.
             warnings.filterwarnings("ignore", "'torch.load' received a zip file", UserWarning)
             return torch.load(f, map_location="cpu", weights_only=True)
-    except OSError:
+    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError):
         raise
+    except OSError as error:
+        # torch's zip reader raises EINVAL for an archive cut short: the file opened,
+        # so it is the content, not the path, that is wrong.
+        raise RefusedFileError(
+            f"qcore.load refused {_name_of(f)}: torch.load(weights_only=True) cannot read it "
+            f"({type(error).__name__}: {error}): the archive is truncated or corrupt; "
+            "qcore.load reads files written by qcore.save"
+        ) from None
     except pickle.UnpicklingError as error:
         lines = str(error).strip().splitlines()
         named = next((line.strip() for line in lines if "GLOBAL" in line), "")

@@ -137,6 +137,34 @@ def test_quantize_reports_the_bad_batch(backend):
 
 
 @pytest.mark.parametrize("backend", BACKEND)
+def test_a_batch_the_model_fails_on_is_named_in_the_models_error(backend):
+    """The wrong width reached the model as torch's bare error, naming no batch."""
+    xs, _, _ = _data()
+    torch_says = r"mat1 and mat2 shapes cannot be multiplied \(4x5 and 8x4\)"
+    with pytest.raises(RuntimeError, match=r"^calibration batch 1: " + torch_says):
+        qcore.quantize(OneInput().eval(), (xs[:1],), [xs[:4], torch.randn(4, 5)], backend)
+
+
+class RaisesKeyError(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise KeyError("missing")
+
+
+def test_an_error_not_rebuilt_from_its_message_gets_a_note_naming_the_batch():
+    from qcore.calibration import raise_in_batch
+
+    original = None
+    with pytest.raises(KeyError) as raised:
+        try:
+            RaisesKeyError()(torch.zeros(1))
+        except KeyError as error:
+            original = error
+            raise_in_batch(error, 3)
+    assert raised.value is original
+    assert raised.value.__notes__ == ["calibration batch 3: raised this"]
+
+
+@pytest.mark.parametrize("backend", BACKEND)
 @pytest.mark.parametrize("empty", ["list", "spent generator", "empty loader"])
 def test_calibration_data_that_gives_no_batch_is_an_error(empty, backend):
     # It returned a model near 0 dB, with only a warning per observer.

@@ -212,3 +212,24 @@ def test_show_and_check_give_the_verdict_backends_load_gives(use_registry, capsy
     assert cli.main([command, "lazybad"]) == cli.EXIT_LOAD_ERROR
     err = capsys.readouterr().err
     assert "qcore_default_qconfig_mapping" in err and "'fbgemm'" in err
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "expected"),
+    [
+        # --batches 0 ran the demo with no calibration; nan and inf ran it to
+        # "failed: TypeError" rows, exiting 0
+        ("--batches", "0", "an integer >= 1"),
+        ("--batches", "-3", "an integer >= 1"),
+        ("--batches", "x", "an integer >= 1"),
+        ("--min-sqnr", "nan", "a finite number of decibels"),
+        ("--min-sqnr", "inf", "a finite number of decibels"),
+    ],
+)
+def test_demo_refuses_an_out_of_range_option_as_a_usage_error(capsys, option, value, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--model", "mlp", option, value])
+    assert exit_info.value.code == cli.EXIT_USAGE
+    captured = capsys.readouterr()
+    assert f"argument {option}: got {value!r}; expected {expected}" in captured.err
+    assert captured.out == ""

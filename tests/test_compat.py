@@ -5,6 +5,7 @@ from collections import namedtuple
 
 import pytest
 import torch
+from backends import requires_fbgemm
 from torch.ao.quantization import (
     FixedQParamsFakeQuantize,
     FixedQParamsObserver,
@@ -20,6 +21,7 @@ from torch.ao.quantization import (
     get_default_qconfig_mapping,
 )
 
+import qcore
 from qcore import (
     BackendConfig,
     BackendPatternConfig,
@@ -35,6 +37,8 @@ from qcore.config.compat import (
     reasons_rejected,
     rejection_reasons,
 )
+from qcore.config.errors import describe
+from qcore.config.qconfig import QConfigMapping
 
 
 def act(**kwargs):
@@ -360,6 +364,31 @@ def test_no_qconfig_and_broken_qconfig():
         reasons_rejected(static_config(), DuckQConfig(activation=act(), weight=3))
     with pytest.raises(ConfigError, match="expected a DTypeConfig"):
         reasons_rejected("dtype config", qconfig())
+
+
+def _builds_three():
+    return 3
+
+
+@pytest.mark.parametrize("constructor", [_builds_three, torch.nn.Identity])
+def test_a_qconfig_building_no_observer_is_refused_naming_what_it_built(constructor):
+    """Its facts read as all None, so every op stayed float, the reason blaming dtypes."""
+    with pytest.raises(ConfigError) as refused:
+        reasons_rejected(static_config(), DuckQConfig(activation=constructor, weight=act()))
+    assert str(refused.value) == (
+        f"qconfig.activation: got {describe(constructor)}, which built "
+        f"{describe(constructor())}; expected an observer or fake quant (an object with a "
+        "dtype)"
+    )
+
+
+@requires_fbgemm
+def test_prepare_refuses_a_qconfig_building_no_observer():
+    mapping = QConfigMapping().set_global(QConfig(activation=_builds_three, weight=_builds_three))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
+    expected = r"^qconfig\.activation: got .*_builds_three, which built 3 \(int\); expected an"
+    with pytest.raises(ConfigError, match=expected):
+        qcore.prepare_fx(model, mapping, (torch.randn(2, 4),), "fbgemm")
 
 
 # -- pattern and backend level ---------------------------------------------------------------

@@ -1219,13 +1219,15 @@ def _fusing_config(**hooks):
     "hooks, message",
     [
         (
-            {"fuser": lambda conv, relu: None},  # torch.ao's older signature
-            r"BackendPatternConfig\(\(ReLU, Conv2d\)\)\.fuser_method function .* raised "
+            # torch.ao's older signature; the pattern as configured, not reversed
+            {"fuser": lambda conv, relu: None},
+            r"BackendPatternConfig\(\(Conv2d, ReLU\)\)\.fuser_method function .* raised "
             "TypeError: .* takes 2 positional arguments but 3 were given",
         ),
         (
             {"fuser": lambda is_qat, conv, relu: None},
-            r"\.fuser_method function .* returned None \(NoneType\); expected the fused module",
+            r"BackendPatternConfig\(\(Conv2d, ReLU\)\)\.fuser_method function .* returned "
+            r"None \(NoneType\); expected the fused module",
         ),
         (
             {"root": lambda nested: None},

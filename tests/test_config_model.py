@@ -516,6 +516,34 @@ def test_duplicate_pattern_is_an_error_unless_replace():
         backend_config.set_backend_pattern_configs([replacement])
 
 
+@pytest.mark.parametrize(
+    ("bad", "error", "message"),
+    [
+        (
+            3,
+            ConfigError,
+            "BackendConfig.configs[2]: got 3 (int); expected a BackendPatternConfig",
+        ),
+        (
+            BackendPatternConfig(torch.nn.Linear),  # the list's first, once more
+            DuplicatePatternError,
+            "BackendConfig.configs[2]: BackendConfig 'chip': got pattern Linear, which is "
+            "already configured; expected each pattern once (pass replace=True to replace it)",
+        ),
+    ],
+)
+def test_set_backend_pattern_configs_adds_all_or_none(bad, error, message):
+    """It added the configs before the refused one, as set_dtype_configs does not."""
+    backend_config = BackendConfig("chip").set_backend_pattern_config(
+        BackendPatternConfig(torch.nn.ReLU)
+    )
+    configs = [BackendPatternConfig(torch.nn.Linear), BackendPatternConfig(torch.nn.Conv2d), bad]
+    with pytest.raises(error) as refused:
+        backend_config.set_backend_pattern_configs(configs)
+    assert str(refused.value) == message
+    assert backend_config.patterns() == ["ReLU"]
+
+
 def test_backend_config_dict_round_trip():
     backend_config = seed_001_backend_config()
     as_dict = backend_config.to_dict()

@@ -8,6 +8,7 @@ refused with an error naming it.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from torch.ao.quantization import (
 from torch.ao.quantization.fx.custom_config import ConvertCustomConfig, PrepareCustomConfig
 
 import qcore
+from qcore.config.errors import QCoreWarning, describe
 from qcore.engine.custom_config import UnsupportedSetting
 
 pytestmark = requires_fbgemm
@@ -319,3 +321,58 @@ def test_convert_takes_the_prepare_mapping_again():
     other = {"": torch.ao.quantization.get_default_qconfig("qnnpack")}
     with pytest.raises(UnsupportedSetting, match="changing QConfigs"):
         qcore.convert_fx(prepared, qconfig_mapping=other)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        # a string was split into letters: names 'f' and 'c', attributes 't', 'r', ...
+        ("non_traceable_module_name", "first", "a list of names"),
+        ("preserved_attributes", "attr", "a list of names"),
+        ("non_traceable_module_name", 3, "a list of names"),  # was "'int' is not iterable"
+        ("input_quantized_idxs", 0, "a list of non-negative int indexes"),  # was dropped
+        ("output_quantized_idxs", 1, "a list of non-negative int indexes"),
+        ("non_traceable_module_class", nn.Linear, "a list of torch.nn.Module subclasses"),
+    ],
+)
+def test_a_lone_name_or_index_is_refused_naming_the_key_written(key, value, expected):
+    model, x = TwoLinears().eval(), torch.randn(8, 4)
+    with pytest.raises(TypeError) as refused:
+        qcore.prepare_fx(model, default_qconfig_mapping(), (x,), "fbgemm", {key: value})
+    assert str(refused.value) == (
+        f"prepare_custom_config.{key}: got {describe(value)}; expected {expected}"
+    )
+
+
+def test_custom_module_classes_not_in_a_dict_are_refused_naming_the_quant_type():
+    """{"static": [nn.Linear]} raised "cannot convert dictionary update sequence"."""
+    config = {"float_to_observed_custom_module_class": {"static": [nn.Linear]}}
+    model, x = TwoLinears().eval(), torch.randn(8, 4)
+    with pytest.raises(TypeError) as refused:
+        qcore.prepare_fx(model, default_qconfig_mapping(), (x,), "fbgemm", config)
+    assert str(refused.value) == (
+        "prepare_custom_config.float_to_observed_custom_module_class['static']: got "
+        f"{describe([nn.Linear])}; expected a dict of classes ({{float class: observed "
+        "class} or {observed class: quantized class})"
+    )
+
+
+def test_custom_config_names_that_name_no_module_warn_once():
+    """A typo there quietly traced and quantized the module meant to stay untraced or
+    standalone; the same typo in a QConfigMapping warns."""
+    model, x = TwoLinears().eval(), torch.randn(8, 4)
+    config = {
+        "non_traceable_module_name": ["frist", "second"],
+        "standalone_module_name": [("secnod", None, None, None)],
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qcore.prepare_fx(model, default_qconfig_mapping(), (x,), "fbgemm", config)
+    unmatched = [str(w.message) for w in caught if "names no module" in str(w.message)]
+    assert [w.category for w in caught if "names no module" in str(w.message)] == [QCoreWarning]
+    assert unmatched == [
+        "prepare: prepare_custom_config sets non_traceable_module_names 'frist'; "
+        "standalone_module_names 'secnod', which names no module of the model: no module "
+        "is left untraced or prepared standalone by it. Module names are those of "
+        "model.named_modules()."
+    ]

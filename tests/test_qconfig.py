@@ -14,6 +14,7 @@ from torch.ao.quantization.qconfig import get_default_qat_qconfig as ao_qat_qcon
 from torch.ao.quantization.qconfig import get_default_qconfig as ao_qconfig
 
 from qcore import observers as qc
+from qcore.config.errors import describe as describe_value
 from qcore.config.qconfig import (
     QConfig,
     QConfigMapping,
@@ -284,3 +285,113 @@ def test_a_module_name_that_names_no_module_is_warned_about():
     assert len(named) == 1, messages
     assert "module name 'haed'; module name regex 'blok\\\\..*'" in named[0]
     assert "'block" not in named[0]
+
+
+_OBJECT_TYPES = (
+    "a module class (nn.Linear), a function (torch.sigmoid) or a method name ('sigmoid')"
+)
+
+
+@pytest.mark.parametrize(
+    ("set_entry", "field", "value", "expected"),
+    [
+        # re.compile's own "first argument must be string or compiled pattern"
+        (
+            lambda m, v: m.set_module_name_regex(v, None),
+            "set_module_name_regex(module_name_regex)",
+            3,
+            "a regex (str) matched against module names",
+        ),
+        # the rest were stored as keys no module or op ever looks up
+        (
+            lambda m, v: m.set_module_name(v, None),
+            "set_module_name(module_name)",
+            3,
+            "a module name (str) such as 'encoder.fc'",
+        ),
+        (
+            lambda m, v: m.set_object_type(v, None),
+            "set_object_type(object_type)",
+            torch.nn.Linear(2, 2),
+            _OBJECT_TYPES,
+        ),
+        (lambda m, v: m.set_object_type(v, None), "set_object_type(object_type)", 3, _OBJECT_TYPES),
+        (
+            lambda m, v: m.set_module_name_object_type_order("fc", torch.nn.Linear, v, None),
+            "set_module_name_object_type_order(index)",
+            "0",
+            "a call index, an int >= 0",
+        ),
+        (
+            lambda m, v: m.set_module_name_object_type_order(v, torch.add, 0, None),
+            "set_module_name_object_type_order(module_name)",
+            None,
+            "a module name (str) such as 'encoder'",
+        ),
+    ],
+)
+def test_a_mapping_key_of_the_wrong_kind_is_refused_naming_the_argument(
+    set_entry, field, value, expected
+):
+    mapping = QConfigMapping()
+    with pytest.raises(TypeError) as refused:
+        set_entry(mapping, value)
+    assert str(refused.value) == f"{field}: got {describe_value(value)}; expected {expected}"
+    assert mapping.to_dict() == QConfigMapping().to_dict()
+
+
+@pytest.mark.parametrize(
+    ("qconfig_dict", "field", "value", "expected"),
+    [
+        # each raised Python's own unpacking error, naming neither key nor entry
+        (
+            {"object_type": torch.nn.Linear},
+            "['object_type']",
+            torch.nn.Linear,
+            "a list of pairs (object_type, qconfig)",
+        ),
+        (
+            {"object_type": [(torch.nn.Linear,)]},
+            "['object_type'][0]",
+            (torch.nn.Linear,),
+            "a pair (object_type, qconfig)",
+        ),
+        (
+            {"object_type": {torch.nn.Linear: default_qconfig}},
+            "['object_type']",
+            {torch.nn.Linear: default_qconfig},
+            "a list of pairs (object_type, qconfig)",
+        ),
+        (
+            {"module_name": {"fc": default_qconfig}},
+            "['module_name']",
+            {"fc": default_qconfig},
+            "a list of pairs (module_name, qconfig)",
+        ),
+        (
+            {"module_name_object_type_order": [("fc", torch.nn.Linear, default_qconfig)]},
+            "['module_name_object_type_order'][0]",
+            ("fc", torch.nn.Linear, default_qconfig),
+            "a tuple (module_name, object_type, index, qconfig)",
+        ),
+        (None, "", None, "a dict (torch.ao's qconfig_dict form)"),
+    ],
+)
+def test_a_qconfig_dict_of_the_wrong_shape_is_refused_naming_the_entry(
+    qconfig_dict, field, value, expected
+):
+    with pytest.raises(TypeError) as refused:
+        QConfigMapping.from_dict(qconfig_dict)
+    assert str(refused.value) == (
+        f"QConfigMapping.from_dict{field}: got {describe_value(value)}; expected {expected}"
+    )
+
+
+def test_a_qconfig_dict_entry_a_setter_refuses_names_the_entry():
+    qconfig_dict = {"module_name": [("fc", None), (3, None)]}
+    with pytest.raises(TypeError) as refused:
+        as_qconfig_mapping(qconfig_dict)  # as prepare_fx reads a legacy qconfig dict
+    assert str(refused.value) == (
+        "QConfigMapping.from_dict['module_name'][1]: set_module_name(module_name): got 3 "
+        "(int); expected a module name (str) such as 'encoder.fc'"
+    )

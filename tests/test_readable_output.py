@@ -14,6 +14,7 @@ from backends import backend_params, installed
 from torch import nn
 
 import qcore
+from qcore.config.errors import describe
 from qcore.config.qconfig import QConfigMapping, default_qconfig
 from qcore.demo import DemoResult, format_results, run_demo, sqnr
 from qcore.engine.explain import WIDTH, Entry, Report, Status
@@ -100,6 +101,26 @@ def test_explain_lines_fit_the_terminal_with_details_on_request():
     assert REFUSALS in report.format(width=None)
     with pytest.raises(KeyError, match="no node named 'nope'"):
         report.details("nope")
+
+
+@pytest.mark.parametrize(
+    ("width", "error"),
+    [("80", TypeError), (80.0, TypeError), (True, TypeError), (0, ValueError), (-5, ValueError)],
+)
+@pytest.mark.parametrize("method", ["format", "details"])
+def test_a_width_that_is_no_number_of_columns_is_refused(method, width, error):
+    """'80' raised "'>' not supported between 'int' and 'str'"; 0 and -5 printed a
+    table (and verbose=True raised textwrap's error)."""
+    report = _report()
+    with pytest.raises(error) as refused:
+        if method == "format":
+            report.format(width=width, verbose=True)
+        else:
+            report.details("softmax", width=width)
+    assert str(refused.value) == (
+        f"width: got {describe(width)}; expected a number of columns (an int >= 1) or None "
+        "for no limit"
+    )
 
 
 @pytest.mark.parametrize("backend", backend_params(("fbgemm",)))

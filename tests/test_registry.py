@@ -12,7 +12,7 @@ import torch
 
 import qcore
 from qcore import BackendPatternConfig, DTypeConfig, ObservationType, hookimpl
-from qcore.config.errors import ConfigError
+from qcore.config.errors import ConfigError, describe
 from qcore.plugin import BackendRegistry, PluginState
 from qcore.plugin.discovery import PluginSpec, find_entry_point_plugins
 from qcore.plugin.kernels import Kernel
@@ -141,6 +141,28 @@ def test_unknown_backend_lists_installed_and_suggests():
         reg.get("mychp")
     with pytest.raises(qcore.UnknownBackendError, match="pip install qcore-qnnpack"):
         reg.get("qnnpack")
+
+
+@pytest.mark.parametrize("name", [None, 3, ["mychip"]])
+def test_a_backend_name_that_is_no_string_is_refused_naming_backend(name):
+    """None was an unknown backend, "Did you mean 'onednn'?"; a list raised
+    "unhashable type"."""
+    reg = registry(spec("mychip", "qcore-mychip", plugin_module("m", [])))
+    with pytest.raises(TypeError) as refused:
+        reg.get(name)
+    assert str(refused.value) == (
+        f"backend: got {describe(name)}; expected a backend name (str) such as 'x86' "
+        "(installed: mychip, native)"
+    )
+
+
+@pytest.mark.parametrize(
+    "function",
+    [qcore.get_backend_config, qcore.get_default_qconfig_mapping, qcore.get_backend],
+)
+def test_the_public_functions_taking_a_backend_name_refuse_none(function):
+    with pytest.raises(TypeError, match=r"^backend: got None \(NoneType\); expected a backend"):
+        function(None)
 
 
 def test_environment_controls():

@@ -30,6 +30,7 @@ from kernel_cases import CASES, STATEFUL, build
 from torch import nn
 
 import qcore
+from qcore.config.errors import describe
 from qcore.examples import EVAL_SEED, ZOO, export_batch_free
 from qcore.kernels.packed import PackedWeights
 
@@ -389,6 +390,45 @@ def test_files_that_are_not_qcore_files_are_refused(tmp_path):
         qcore.load(tmp_path / "junk.pt")
     with pytest.raises(FileNotFoundError):
         qcore.load(tmp_path / "missing.pt")
+
+
+@pytest.mark.parametrize("cut", [10, 50, 100])
+def test_a_truncated_qcore_file_is_refused_as_truncated(cut, tmp_path):
+    """torch's zip reader raises a bare OSError (EINVAL) for an archive cut short
+    near its end; qcore.load passed every OSError through as if the path were wrong."""
+    path = tmp_path / "model.qcore"
+    qcore.save(_tiny_converted(), path)
+    path.write_bytes(path.read_bytes()[:-cut])
+    with pytest.raises(qcore.RefusedFileError) as refused:
+        qcore.load(path)
+    assert str(path) in str(refused.value)
+    assert "truncated or corrupt" in str(refused.value)
+
+
+def test_saving_to_a_directory_names_the_directory(tmp_path):
+    """torch.save failed in its C++ zip writer: 'enforce fail at inline_container.cc'."""
+    with pytest.raises(IsADirectoryError) as refused:
+        qcore.save(_tiny_converted(), tmp_path)
+    assert str(refused.value) == (
+        f"f: got {str(tmp_path)!r}, a directory; expected the path of a file to write"
+    )
+
+
+@pytest.mark.parametrize("operation", ["save", "load"])
+@pytest.mark.parametrize("allow", [3, "torch.relu", nn.Linear])
+def test_allow_that_is_not_a_list_is_refused_naming_allow(operation, allow, tmp_path):
+    """allow=3 raised "'int' object is not iterable"; a string was split into letters."""
+    path = tmp_path / "model.qcore"
+    qcore.save(_tiny_converted(), path)
+    with pytest.raises(TypeError) as refused:
+        if operation == "save":
+            qcore.save(_tiny_converted(), path, allow=allow)
+        else:
+            qcore.load(path, allow=allow)
+    assert str(refused.value) == (
+        f"allow: got {describe(allow)}; expected a list of classes (nn.Module subclasses, "
+        "dataclasses, enums) or functions"
+    )
 
 
 # Each edit turns a legitimate qcore.save file into one that would run the marker

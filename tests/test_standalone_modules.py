@@ -14,6 +14,7 @@ from torch.ao.quantization.fx.custom_config import PrepareCustomConfig
 
 import qcore
 from qcore.engine.custom_config import UnsupportedSetting
+from qcore.plugin import UnknownBackendError
 
 pytestmark = requires_fbgemm
 
@@ -145,3 +146,36 @@ def test_converting_an_int8_interface_standalone_module_alone_is_an_error():
     prepared, _ = _quantize(model, {"": default_qconfig}, x, _config("name", INT8, x))
     with pytest.raises(ValueError, match="convert the parent"):
         qcore.convert_fx(prepared.block)
+
+
+@pytest.mark.parametrize(
+    ("form", "entry", "error", "message"),
+    [
+        (
+            "name",
+            ("block", 3, None, None),
+            TypeError,
+            "prepare_custom_config.standalone_module_name['block']: qconfig_mapping: got 3 (int)",
+        ),
+        (
+            "name",
+            ("block", None, None, None, "x68"),
+            UnknownBackendError,
+            "prepare_custom_config.standalone_module_name['block']: unknown backend 'x68'",
+        ),
+        (
+            "class",
+            (Block, None, "bad", None),
+            TypeError,
+            f"prepare_custom_config.standalone_module_class[{__name__}.Block] (module 'block'): "
+            "example_inputs: got 'bad' (str)",
+        ),
+    ],
+)
+def test_an_error_in_a_standalone_entry_names_the_entry(form, entry, error, message):
+    """The entry's own settings failed with the message of a top-level prepare_fx call."""
+    model, x = Parent().eval(), torch.randn(2, 3, 8, 8)
+    config = {f"standalone_module_{form}": [entry]}
+    with pytest.raises(error) as refused:
+        qcore.prepare_fx(model, {"": default_qconfig}, (x,), "fbgemm", config)
+    assert str(refused.value).startswith(message)

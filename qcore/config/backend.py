@@ -76,11 +76,25 @@ class BackendConfig:
     def set_backend_pattern_configs(
         self, configs: Iterable[BackendPatternConfig], *, replace: bool = False
     ) -> BackendConfig:
-        """Add several pattern configs; see :meth:`set_backend_pattern_config`."""
+        """Add several pattern configs; see :meth:`set_backend_pattern_config`.
+
+        All or none: a config that is refused leaves the BackendConfig as it was.
+        """
         if isinstance(configs, BackendPatternConfig) or not hasattr(configs, "__iter__"):
             raise invalid("BackendConfig.configs", configs, "a list of BackendPatternConfig")
-        for config in configs:
-            self.set_backend_pattern_config(config, replace=replace)
+        before = self._pattern_complex_format_to_config
+        self._pattern_complex_format_to_config = dict(before)
+        try:
+            for index, config in enumerate(configs):
+                try:
+                    self.set_backend_pattern_config(config, replace=replace)
+                except ConfigError as error:
+                    raise relocate(
+                        error, f"BackendConfig.configs[{index}]", "BackendConfig.configs[]"
+                    ) from None
+        except BaseException:
+            self._pattern_complex_format_to_config = before
+            raise
         return self
 
     @property

@@ -196,7 +196,15 @@ def _facts_of_constructor(constructor: Any, role: str) -> ObserverFacts:
             f"qconfig.{role}: got {describe(constructor)}, and calling it raised "
             f"{type(error).__name__}: {error}; expected a constructor that builds an observer"
         ) from error
-    return observer_facts(instance)
+    facts = observer_facts(instance)
+    if facts.dtype is None:
+        # not even a duck-typed observer: every op would stay float, for a reason that
+        # blames the backend's dtypes
+        raise ConfigError(
+            f"qconfig.{role}: got {describe(constructor)}, which built {describe(instance)}; "
+            "expected an observer or fake quant (an object with a dtype)"
+        )
+    return facts
 
 
 def qconfig_dtypes(qconfig: Any) -> tuple[torch.dtype | None, torch.dtype | None, bool]:

@@ -11,7 +11,7 @@ import math
 import os
 import reprlib
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 
 class ConfigError(ValueError):
@@ -100,3 +100,36 @@ def caller_stacklevel() -> int:
 
 def _is_internal(filename: str, package: str) -> bool:
     return filename.startswith(package) or filename == contextlib.__file__
+
+
+# Built-in exception types rebuilt from their message alone, nothing else lost (an
+# OSError's errno would be, a KeyError's str quotes its message).
+_REBUILT_FROM_MESSAGE = (
+    RuntimeError,
+    ValueError,
+    TypeError,
+    IndexError,
+    LookupError,
+    NotImplementedError,
+)
+
+
+def _rebuilt_from_message(error: BaseException) -> bool:
+    mro = type(error).__mro__
+    builtin = next(cls for cls in mro if cls.__module__ == "builtins")
+    subclasses = [cls for cls in mro if cls.__module__ != "builtins"]
+    return builtin in _REBUILT_FROM_MESSAGE and not any(
+        name in vars(cls) for cls in subclasses for name in ("__init__", "__new__", "__str__")
+    )
+
+
+def raise_prefixed(error: Exception, prefix: str) -> NoReturn:
+    """Raise ``error`` saying where it happened: its message prefixed ``prefix: ``, its
+    type, attributes and traceback kept; a type that cannot be rebuilt from its message
+    is raised as it is, with ``prefix`` as a note."""
+    if not _rebuilt_from_message(error):
+        error.add_note(f"{prefix}: raised this")
+        raise error
+    located = type(error)(f"{prefix}: {error}")
+    located.__dict__.update(error.__dict__)
+    raise located.with_traceback(error.__traceback__) from error.__cause__

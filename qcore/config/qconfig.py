@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from qcore import observers as obs
+from qcore.config.errors import describe
 
 __all__ = [
     "QConfig",
@@ -66,6 +67,24 @@ def _is_qconfig(value: Any) -> bool:
     """qcore's QConfig, torch.ao's, or None (do not quantize)."""
     return value is None or (
         isinstance(value, tuple) and hasattr(value, "activation") and hasattr(value, "weight")
+    )
+
+
+def _check_key(valid: bool, where: str, value: Any, expected: str) -> None:
+    if not valid:
+        raise TypeError(f"{where}: got {describe(value)}; expected {expected}")
+
+
+def _check_object_type(object_type: Any, where: str) -> None:
+    # a module instance is callable, and would be a key no op ever looks up
+    valid = isinstance(object_type, (type, str)) or (
+        callable(object_type) and not isinstance(object_type, nn.Module)
+    )
+    _check_key(
+        valid,
+        where,
+        object_type,
+        "a module class (nn.Linear), a function (torch.sigmoid) or a method name ('sigmoid')",
     )
 
 
@@ -118,6 +137,7 @@ class QConfigMapping:
 
     def set_object_type(self, object_type: Any, qconfig: Any) -> QConfigMapping:
         """For a module class, a function (``torch.sigmoid``) or a method name (``"sigmoid"``)."""
+        _check_object_type(object_type, "set_object_type(object_type)")
         self.object_type_qconfigs[object_type] = _check(
             qconfig, f"set_object_type({object_type!r})"
         )
@@ -125,6 +145,12 @@ class QConfigMapping:
 
     def set_module_name_regex(self, module_name_regex: str, qconfig: Any) -> QConfigMapping:
         """For modules whose path matches (``re.match``); earlier regexes win."""
+        _check_key(
+            isinstance(module_name_regex, (str, re.Pattern)),
+            "set_module_name_regex(module_name_regex)",
+            module_name_regex,
+            "a regex (str) matched against module names",
+        )
         try:
             re.compile(module_name_regex)
         except re.error as error:
@@ -137,6 +163,12 @@ class QConfigMapping:
 
     def set_module_name(self, module_name: str, qconfig: Any) -> QConfigMapping:
         """For the module at this path and everything inside it."""
+        _check_key(
+            isinstance(module_name, str),
+            "set_module_name(module_name)",
+            module_name,
+            "a module name (str) such as 'encoder.fc'",
+        )
         where = f"set_module_name({module_name!r})"
         self.module_name_qconfigs[module_name] = _check(qconfig, where)
         return self
@@ -145,6 +177,20 @@ class QConfigMapping:
         self, module_name: str, object_type: Any, index: int, qconfig: Any
     ) -> QConfigMapping:
         """For the ``index``-th call of ``object_type`` inside module ``module_name``."""
+        setter = "set_module_name_object_type_order"
+        _check_key(
+            isinstance(module_name, str),
+            f"{setter}(module_name)",
+            module_name,
+            "a module name (str) such as 'encoder'",
+        )
+        _check_object_type(object_type, f"{setter}(object_type)")
+        _check_key(
+            type(index) is int and index >= 0,
+            f"{setter}(index)",
+            index,
+            "a call index, an int >= 0",
+        )
         where = f"set_module_name_object_type_order({module_name!r}, {object_type!r}, {index})"
         self.module_name_object_type_order_qconfigs[(module_name, object_type, index)] = _check(
             qconfig, where
@@ -195,23 +241,49 @@ class QConfigMapping:
 
     @classmethod
     def from_dict(cls, qconfig_dict: dict[str, Any]) -> QConfigMapping:
+        where = "QConfigMapping.from_dict"
+        if not isinstance(qconfig_dict, dict):
+            raise TypeError(
+                f"{where}: got {describe(qconfig_dict)}; expected a dict (torch.ao's "
+                "qconfig_dict form)"
+            )
         unknown = set(qconfig_dict) - {_GLOBAL, _OBJECT_TYPE, _REGEX, _NAME, _ORDER}
         if unknown:
             raise ValueError(
-                f"QConfigMapping.from_dict: unknown keys {sorted(unknown)}; expected "
+                f"{where}: unknown keys {sorted(unknown, key=repr)}; expected "
                 f"{[_GLOBAL, _OBJECT_TYPE, _REGEX, _NAME, _ORDER]}"
             )
         mapping = cls()
         if _GLOBAL in qconfig_dict:
             mapping.set_global(qconfig_dict[_GLOBAL])
-        for object_type, qconfig in qconfig_dict.get(_OBJECT_TYPE, []):
-            mapping.set_object_type(object_type, qconfig)
-        for regex, qconfig in qconfig_dict.get(_REGEX, []):
-            mapping.set_module_name_regex(regex, qconfig)
-        for name, qconfig in qconfig_dict.get(_NAME, []):
-            mapping.set_module_name(name, qconfig)
-        for name, object_type, index, qconfig in qconfig_dict.get(_ORDER, []):
-            mapping.set_module_name_object_type_order(name, object_type, index, qconfig)
+        setters = (
+            (_OBJECT_TYPE, mapping.set_object_type, "pair", "(object_type, qconfig)"),
+            (_REGEX, mapping.set_module_name_regex, "pair", "(module_name_regex, qconfig)"),
+            (_NAME, mapping.set_module_name, "pair", "(module_name, qconfig)"),
+            (
+                _ORDER,
+                mapping.set_module_name_object_type_order,
+                "tuple",
+                "(module_name, object_type, index, qconfig)",
+            ),
+        )
+        for key, setter, kind, fields in setters:
+            entries = qconfig_dict.get(key, [])
+            if not isinstance(entries, (list, tuple)):
+                raise TypeError(
+                    f"{where}[{key!r}]: got {describe(entries)}; expected a list of "
+                    f"{kind}s {fields}"
+                )
+            for i, entry in enumerate(entries):
+                if not isinstance(entry, (list, tuple)) or len(entry) != fields.count(",") + 1:
+                    raise TypeError(
+                        f"{where}[{key!r}][{i}]: got {describe(entry)}; expected a {kind} {fields}"
+                    )
+                try:
+                    setter(*entry)
+                except (TypeError, ValueError) as error:
+                    # the setter names its argument; this names the entry it came from
+                    raise type(error)(f"{where}[{key!r}][{i}]: {error}") from None
         return mapping
 
     def __repr__(self) -> str:

@@ -9,13 +9,14 @@ the setting, so nothing a porting user wrote is silently dropped.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from qcore.config.errors import describe
+from qcore.config.errors import QCoreWarning, caller_stacklevel, describe
 
 __all__ = [
     "CustomConfig",
@@ -23,6 +24,7 @@ __all__ = [
     "UnsupportedSetting",
     "as_custom_config",
     "copy_preserved",
+    "warn_unmatched_names",
 ]
 
 
@@ -105,20 +107,33 @@ _CONVERT_DICT_KEYS = {
 _ATTRIBUTES = set(_PREPARE_DICT_KEYS.values()) | set(_CONVERT_DICT_KEYS.values())
 
 
-def _from_dict(config: dict, where: str) -> dict[str, Any]:
+def _from_dict(config: dict, where: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The settings by attribute, and the dict key each came from (errors name the key
+    the user wrote)."""
     keys = {**_PREPARE_DICT_KEYS, **_CONVERT_DICT_KEYS}
-    settings = {}
+    settings, written_as = {}, {}
     for key, value in config.items():
         if key not in keys:
             raise UnsupportedSetting(
                 f"{where}[{key!r}]: unknown setting; expected one of {sorted(keys)}"
             )
         settings[keys[key]] = value
-    return settings
+        written_as[keys[key]] = key
+    return settings, written_as
 
 
 def _from_object(config: Any) -> dict[str, Any]:
     return {name: getattr(config, name) for name in _ATTRIBUTES if hasattr(config, name)}
+
+
+def _collection(value: Any, where: str, expected: str) -> tuple:
+    """``value`` as a tuple; a string would be split into letters, a dict into its keys,
+    so both are refused, as is a lone item."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
+        raise TypeError(f"{where}: got {describe(value)}; expected {expected}")
+    return tuple(value)
 
 
 _QUANT_TYPES = ("static", "dynamic", "qat")
@@ -127,7 +142,7 @@ _QUANT_TYPES = ("static", "dynamic", "qat")
 def _class_mapping(value: Any, where: str) -> dict[type, type]:
     """torch.ao keys custom module classes by quant type (static, dynamic, qat); the
     classes say which is which (an observed class, a float one), so they are merged."""
-    if not value:
+    if value is None:
         return {}
     if not isinstance(value, dict):
         raise TypeError(f"{where}: got {describe(value)}; expected a dict")
@@ -139,7 +154,12 @@ def _class_mapping(value: Any, where: str) -> dict[type, type]:
                 f"{where}: custom module classes for quant type {name!r} are not supported; "
                 f"expected one of {list(_QUANT_TYPES)}"
             )
-        for source, target in dict(classes).items():
+        if not isinstance(classes, dict):
+            raise TypeError(
+                f"{where}[{name!r}]: got {describe(classes)}; expected a dict of classes "
+                "({float class: observed class} or {observed class: quantized class})"
+            )
+        for source, target in classes.items():
             for cls in (source, target):
                 if not isinstance(cls, type):
                     raise TypeError(f"{where}: got {describe(cls)}; expected a class")
@@ -148,7 +168,7 @@ def _class_mapping(value: Any, where: str) -> dict[type, type]:
 
 
 def _indexes(value: Any, where: str) -> tuple[int, ...]:
-    found = tuple(value or ())
+    found = _collection(value, where, "a list of non-negative int indexes")
     for index in found:
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
             raise TypeError(f"{where}: got {describe(index)}; expected non-negative int indexes")
@@ -156,7 +176,7 @@ def _indexes(value: Any, where: str) -> tuple[int, ...]:
 
 
 def _names(value: Any, where: str) -> tuple[str, ...]:
-    found = tuple(value or ())
+    found = _collection(value, where, "a list of names")
     for name in found:
         if not isinstance(name, str):
             raise TypeError(f"{where}: got {describe(name)}; expected names (str)")
@@ -169,8 +189,9 @@ def as_custom_config(config: Any, where: str = "prepare_custom_config") -> Custo
         return CustomConfig()
     if isinstance(config, CustomConfig):
         return config
+    written_as: dict[str, str] = {}
     if isinstance(config, dict):
-        settings = _from_dict(config, where)
+        settings, written_as = _from_dict(config, where)
     elif any(hasattr(config, name) for name in _ATTRIBUTES):
         settings = _from_object(config)
     else:
@@ -178,39 +199,47 @@ def as_custom_config(config: Any, where: str = "prepare_custom_config") -> Custo
             f"{where}: got {describe(config)}; expected None, a torch.ao PrepareCustomConfig/"
             "ConvertCustomConfig/FuseCustomConfig or its dict form"
         )
-    classes = tuple(settings.get("non_traceable_module_classes") or ())
+
+    def field(attribute: str) -> str:
+        return f"{where}.{written_as.get(attribute, attribute)}"
+
+    classes = _collection(
+        settings.get("non_traceable_module_classes"),
+        field("non_traceable_module_classes"),
+        "a list of torch.nn.Module subclasses",
+    )
     for cls in classes:
         if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
             raise TypeError(
-                f"{where}.non_traceable_module_classes: got {describe(cls)}; expected "
+                f"{field('non_traceable_module_classes')}: got {describe(cls)}; expected "
                 "torch.nn.Module subclasses"
             )
     return CustomConfig(
         non_traceable_module_names=_names(
-            settings.get("non_traceable_module_names"), f"{where}.non_traceable_module_names"
+            settings.get("non_traceable_module_names"), field("non_traceable_module_names")
         ),
         non_traceable_module_classes=classes,
         preserved_attributes=_names(
-            settings.get("preserved_attributes"), f"{where}.preserved_attributes"
+            settings.get("preserved_attributes"), field("preserved_attributes")
         ),
         float_to_observed=_class_mapping(
-            settings.get("float_to_observed_mapping"), f"{where}.float_to_observed_mapping"
+            settings.get("float_to_observed_mapping"), field("float_to_observed_mapping")
         ),
         observed_to_quantized=_class_mapping(
             settings.get("observed_to_quantized_mapping"),
-            f"{where}.observed_to_quantized_mapping",
+            field("observed_to_quantized_mapping"),
         ),
         input_quantized_indexes=_indexes(
-            settings.get("input_quantized_indexes"), f"{where}.input_quantized_indexes"
+            settings.get("input_quantized_indexes"), field("input_quantized_indexes")
         ),
         output_quantized_indexes=_indexes(
-            settings.get("output_quantized_indexes"), f"{where}.output_quantized_indexes"
+            settings.get("output_quantized_indexes"), field("output_quantized_indexes")
         ),
         standalone_names=_standalone(
-            settings.get("standalone_module_names"), f"{where}.standalone_module_names", str
+            settings.get("standalone_module_names"), field("standalone_module_names"), str
         ),
         standalone_classes=_standalone(
-            settings.get("standalone_module_classes"), f"{where}.standalone_module_classes", type
+            settings.get("standalone_module_classes"), field("standalone_module_classes"), type
         ),
     )
 
@@ -247,6 +276,29 @@ def _standalone(value: Any, where: str, key_type: type) -> dict:
             expected = "module names (str)" if key_type is str else "torch.nn.Module subclasses"
             raise TypeError(f"{where}: got {describe(key)}; expected {expected}")
     return entries
+
+
+def warn_unmatched_names(model: torch.nn.Module, config: CustomConfig) -> None:
+    """One warning for the module names ``config`` gives that name no module of
+    ``model``: a typo there traces and quantizes, silently, the module the user meant
+    to keep untraced or standalone (as a typo in a QConfigMapping's names warns)."""
+    names = {name for name, _ in model.named_modules()}
+    unmatched = [
+        f"non_traceable_module_names {name!r}"
+        for name in config.non_traceable_module_names
+        if name not in names
+    ]
+    unmatched += [
+        f"standalone_module_names {name!r}" for name in config.standalone_names if name not in names
+    ]
+    if unmatched:
+        warnings.warn(
+            f"prepare: prepare_custom_config sets {'; '.join(unmatched)}, which names no "
+            "module of the model: no module is left untraced or prepared standalone by it. "
+            "Module names are those of model.named_modules().",
+            QCoreWarning,
+            stacklevel=caller_stacklevel(),
+        )
 
 
 def _is_module_class(value: Any) -> bool:

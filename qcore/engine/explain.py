@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from qcore.config.errors import describe
+
 __all__ = ["WIDTH", "Entry", "Report", "Status", "attach_report", "brief", "report_of"]
 
 # Kept twice because each copy survives a different way of copying a
@@ -136,6 +138,7 @@ class Report:
             >>> print(report.format(width=80))
             >>> print(report.format(verbose=True))    # nothing cut
         """
+        _check_width(width)
         rows = [["NODE", "OP", "STATUS", "DETAIL"]]
         for entry in self.ops:
             detail = entry.kernel or entry.reason
@@ -180,6 +183,7 @@ class Report:
 
             >>> print(qcore.explain(converted).details("softmax"))
         """
+        _check_width(width)
         entry = self[node_name]
         fields = [("node", entry.node), ("op", entry.op), ("status", entry.status.value)]
         fields += [
@@ -206,6 +210,16 @@ def brief(reason: str, limit: int = 40) -> str:
             lambda m: "(…)" if len(m.group(0)) > limit else f"\x01{m.group(1)}\x02", text
         )
     return text.replace("\x01", "(").replace("\x02", ")")
+
+
+def _check_width(width: Any) -> None:
+    expected = "a number of columns (an int >= 1) or None for no limit"
+    if width is None:
+        return
+    if not isinstance(width, int) or isinstance(width, bool):
+        raise TypeError(f"width: got {describe(width)}; expected {expected}")
+    if width < 1:
+        raise ValueError(f"width: got {describe(width)}; expected {expected}")
 
 
 def fit(line: str, width: int | None) -> str:

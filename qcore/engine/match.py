@@ -21,7 +21,7 @@ from torch.nn.utils.parametrize import type_before_parametrizations
 
 from qcore.config import BackendPatternConfig
 from qcore.config.errors import ConfigError, describe
-from qcore.config.pattern import MatchAllNode, format_pattern
+from qcore.config.pattern import MatchAllNode
 
 __all__ = ["Match", "MatchAllNode", "find_matches", "is_match_all", "match_pattern", "node_op"]
 
@@ -205,8 +205,9 @@ def find_matches(
 
 
 def config_owner(config: Any) -> str:
-    """How errors name a BackendPatternConfig: by its pattern."""
-    return f"BackendPatternConfig({format_pattern(config.pattern_complex_format)})"
+    """How errors name a BackendPatternConfig: by its pattern, in the order the user
+    wrote it (the complex format is reversed)."""
+    return f"BackendPatternConfig({config.describe_pattern()})"
 
 
 def call_config_hook(config: Any, field: str, function: Any, *args: Any) -> Any:

@@ -29,6 +29,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from qcore import ops
+from qcore.config.errors import raise_prefixed
 from qcore.engine.backend_annotator import reuse_observed_inputs, spec_from_ctr
 from qcore.engine.boundaries import as_quantized, skip_requantize
 from qcore.engine.custom_config import CustomConfig, Standalone, UnsupportedSetting
@@ -104,7 +105,10 @@ def swap_standalone(
         if entry is None and node.target not in prepared:
             continue
         if node.target not in prepared:
-            prepared[node.target] = prepare_one(module, entry, qconfigs.get(node))
+            try:
+                prepared[node.target] = prepare_one(module, entry, qconfigs.get(node))
+            except Exception as error:
+                raise_prefixed(error, _entry_name(settings, node.target, module))
             _take_parent_qparams(prepared[node.target])
             _set_module(gm, node.target, prepared[node.target])
         state = _state(prepared[node.target])
@@ -112,6 +116,17 @@ def swap_standalone(
             node.name, node.target, state.quantized_inputs, state.quantized_outputs
         )
     return calls
+
+
+def _entry_name(settings: CustomConfig, name: str, module: torch.nn.Module) -> str:
+    """The custom-config entry that made ``name`` standalone, as torch.ao's dict keys it."""
+    if name in settings.standalone_names:
+        return f"prepare_custom_config.standalone_module_name[{name!r}]"
+    cls = type(module)
+    return (
+        f"prepare_custom_config.standalone_module_class[{cls.__module__}.{cls.__qualname__}] "
+        f"(module {name!r})"
+    )
 
 
 def _set_module(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:

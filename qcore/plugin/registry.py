@@ -294,6 +294,12 @@ class BackendRegistry:
 
     def get(self, name: str) -> Backend:
         """The backend ``name``; raises UnknownBackendError or BackendLoadError."""
+        if not isinstance(name, str):
+            # else None was an unknown backend, "Did you mean 'onednn'?"
+            raise TypeError(
+                f"backend: got {describe(name)}; expected a backend name (str) such as 'x86' "
+                f"(installed: {', '.join(self.names())})"
+            )
         with self._lock:
             found = self._cached(name)
             if found is not None:
