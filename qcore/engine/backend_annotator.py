@@ -20,7 +20,6 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from qcore.config import BackendConfig, BackendPatternConfig, DTypeConfig, ObservationType
 from qcore.config.compat import find_accepting_dtype_config
 from qcore.config.pattern import format_pattern
-from qcore.engine.constants import CONSTANT_MATH_REASON
 from qcore.engine.custom_config import UnsupportedSetting
 from qcore.engine.explain import Entry, Status, op_name
 from qcore.engine.float_islands import (
@@ -142,17 +141,17 @@ def annotate_with_backend_config(
     tensor_nodes: set[Node],
     fusion_notes: Mapping[Node, str],
     custom_calls: Mapping[Node, Any] | None = None,
-    reached: set[Node] | None = None,
+    kept_float: Mapping[Node, str] | None = None,
 ) -> tuple[dict[Node, QuantizationAnnotation], list[Decision], dict[str, Entry]]:
     """Annotations for the accepted matches, the decisions, and an Entry per node.
 
     ``custom_calls``: observed custom module calls and their QConfigs; their tensor
     inputs and output are observed with the QConfig's activation (torch.ao's rule).
-    ``reached``: the nodes a model input's values reach
-    (:func:`qcore.engine.constants.reached_by_inputs`); a match outside them
-    computes on constants and stays float. None: every node.
+    ``kept_float``: nodes that stay float whatever the config, with the reason
+    (:func:`qcore.engine.kept_float.kept_float`); a match holding one stays float.
     """
     custom_calls = custom_calls or {}
+    kept_float = kept_float or {}
     # Which argument is the weight: a fused pattern (F.linear, F.relu) says nothing,
     # torch.ao asks the root op's own config (F.linear: weight 1, bias 2), so does qcore.
     op_indexes = {
@@ -191,8 +190,9 @@ def annotate_with_backend_config(
         match = matches.get(node)
         if match is not None and match.output not in tensor_nodes:
             match = None  # list arithmetic (``[1] * n``), a bool mask: nothing to quantize
-        if match is not None and reached is not None and match.output not in reached:
-            entries[node.name] = Entry(node.name, op, Status.FLOAT, CONSTANT_MATH_REASON)
+        kept = next((n for n in match.nodes if n in kept_float), None) if match else None
+        if kept is not None:
+            entries[node.name] = Entry(node.name, op, Status.FLOAT, kept_float[kept])
             continue
         if returns_container(node) and not _quantizes_weights(match):
             # observers take one tensor: it runs in float on what it is given (a dynamic

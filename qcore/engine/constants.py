@@ -31,8 +31,8 @@ __all__ = [
 
 #: Why an op no model input's values reach stays float (explain's reason).
 CONSTANT_MATH_REASON = (
-    "computes on the model's constants and sizes only (no input's values reach it, as "
-    "rotary position angles): float is exact there, and 8 bits would round every value"
+    "computes on the model's constants and sizes only (no input's values reach it: "
+    "position tables, rotary angles): float is exact there; 8 bits would round every value"
 )
 
 

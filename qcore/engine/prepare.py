@@ -23,13 +23,13 @@ from qcore.config.errors import QCoreWarning, caller_stacklevel
 from qcore.engine.backend_annotator import Decision, annotate_with_backend_config, spec_from_ctr
 from qcore.engine.boundaries import output_values
 from qcore.engine.collector import collector_paused
-from qcore.engine.constants import reached_by_inputs
 from qcore.engine.custom_modules import CustomCall, swap_observed
 from qcore.engine.explain import Entry, Report, Status, attach_report
 from qcore.engine.fidelity import cloned, record_shapes
 from qcore.engine.float_islands import gains_nothing
 from qcore.engine.fuse import fuse_graph
 from qcore.engine.infer import inferred_tensor_nodes
+from qcore.engine.kept_float import kept_float
 from qcore.engine.observe import insert_observers, name_observers_per_call
 from qcore.engine.qconfigs import assign_qconfigs, pattern_qconfig, unmatched_names
 from qcore.engine.standalone import (
@@ -276,9 +276,9 @@ def prepare(
     )
     modules = dict(gm.named_modules(remove_duplicate=False))
     observed_calls = {node: call.qconfig for node, call in custom_calls.items() if call.static}
-    reached = reached_by_inputs(gm, lambda node: _carries_values(node, tensor_nodes))
+    stays_float = kept_float(gm, lambda node: _carries_values(node, tensor_nodes))
     annotations, decisions, entries = annotate_with_backend_config(
-        nodes, modules, backend_config, qconfigs, tensor_nodes, notes, observed_calls, reached
+        nodes, modules, backend_config, qconfigs, tensor_nodes, notes, observed_calls, stays_float
     )
     annotate_standalone_inputs(standalone_calls, qconfigs, annotations, entries)
     _observe_quantized_outputs(gm, annotations, qconfigs, qconfig_mapping, custom_config)

@@ -26,8 +26,8 @@ from qcore.config import BackendConfig, BackendPatternConfig, DTypeConfig, Obser
 from qcore.config.compat import find_accepting_dtype_config
 from qcore.config.errors import describe
 from qcore.engine.backend_annotator import is_quantized_dtype
-from qcore.engine.constants import CONSTANT_MATH_REASON, reached_by_inputs
 from qcore.engine.float_islands import float_input_reason, fused_only_ops
+from qcore.engine.kept_float import kept_float
 from qcore.pt2e.canonical import canonicalize
 from qcore.pt2e.graph import carries_values, is_tensor_node
 from qcore.pt2e.patterns import WEIGHTED, aten_ops, aten_pattern, match_aten, packet, pattern_size
@@ -213,7 +213,7 @@ class BackendQuantizer(Quantizer):
     def _match(self, model: GraphModule) -> dict[Node, tuple]:
         self.shadowed, self.rejected = [], []
         matched: dict[Node, tuple] = {}
-        reached = reached_by_inputs(model, carries_values)
+        stays_float = kept_float(model, carries_values)
         for node in reversed(model.graph.nodes):
             if node.op != "call_function" or node in matched:
                 continue
@@ -221,13 +221,13 @@ class BackendQuantizer(Quantizer):
                 # integer arithmetic (position ids, lengths): no observer takes it
                 node.meta[REASON_KEY] = "computes no floating-point tensor (integers, a mask)"
                 continue
-            if node not in reached:
-                node.meta[REASON_KEY] = CONSTANT_MATH_REASON
+            if node in stays_float:
+                node.meta[REASON_KEY] = stays_float[node]
                 continue
             reasons = []
             for rule in self.rules:
                 nodes = match_aten(node, rule.pattern)
-                if not nodes or any(n in matched for n in nodes):
+                if not nodes or any(n in matched or n in stays_float for n in nodes):
                     continue
                 if self.only_unannotated and any(_annotated(n) for n in nodes):
                     # Another quantizer has it: record the overlap, leave its annotations.

@@ -35,7 +35,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from qcore import HistogramObserver, PerChannelMinMaxObserver, QCoreWarning
-from qcore.engine.constants import CONSTANT_MATH_REASON, reached_by_inputs
+from qcore.engine.kept_float import kept_float
 from qcore.pt2e import REASON_KEY, canonicalize
 from qcore.pt2e.graph import carries_values
 from qcore.quantizer import (
@@ -181,11 +181,9 @@ class X86Quantizer(Quantizer):
         self._outputs: set[Node] = set()  # ends of quantized patterns: int8-capable outputs
         self._done: set[Node] = set()
         nodes = list(model.graph.nodes)
-        reached = reached_by_inputs(model, carries_values)
-        for node in nodes:  # rotary angles and the like: exact in float
-            if node.op == "call_function" and node not in reached:
-                node.meta[REASON_KEY] = CONSTANT_MATH_REASON
-                self._done.add(node)
+        for node, reason in kept_float(model, carries_values).items():  # rotary angles...
+            node.meta[REASON_KEY] = reason
+            self._done.add(node)
         for node in nodes:
             if _op(node) in WEIGHTED and node not in self._done:
                 self._weighted_pattern(node)
