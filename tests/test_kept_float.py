@@ -62,15 +62,18 @@ def _data(tokens: int = 256) -> tuple[list[torch.Tensor], torch.Tensor]:
     return batches[:4], batches[4]
 
 
-def _converted(model: nn.Module, backend: str, path: str) -> torch.nn.Module:
-    calibration, x = _data()
+def _converted(
+    model: nn.Module, backend: str, path: str, calibration: list, example: tuple
+) -> torch.nn.Module:
+    """``model`` through ``path``'s prepare, calibration (batches of positional
+    inputs) and convert, for ``backend``."""
     if path == "fx":
         mapping = qcore.get_default_qconfig_mapping(backend)
-        prepared = qcore.prepare_fx(model, mapping, (x,), backend=backend)
+        prepared = qcore.prepare_fx(model, mapping, example, backend=backend)
     else:
-        prepared = qcore.prepare_pt2e(torch.export.export(model, (x,)).module(), backend)
+        prepared = qcore.prepare_pt2e(torch.export.export(model, example).module(), backend)
     for batch in calibration:
-        prepared(batch)
+        prepared(*batch)
     return qcore.convert_fx(prepared) if path == "fx" else qcore.convert_pt2e(prepared)
 
 
@@ -79,7 +82,8 @@ def _converted(model: nn.Module, backend: str, path: str) -> torch.nn.Module:
 def test_rotary_angles_stay_float_and_positions_survive(backend, path):
     torch.manual_seed(0)
     model = RotaryAttention().eval()
-    converted = _converted(model, backend, path)
+    calibration, x = _data()
+    converted = _converted(model, backend, path, [(b,) for b in calibration], (x,))
     report = qcore.explain(converted)
     constant_math = [e for e in report if e.reason == CONSTANT_MATH_REASON]
     assert constant_math, report.format(verbose=True)
@@ -159,14 +163,7 @@ def test_rmsnorm_statistics_stay_float(backend, path):
     torch.manual_seed(0)
     model = RMSNormBlock().eval()
     calibration, x = _quiet_token_batches()
-    if path == "fx":
-        mapping = qcore.get_default_qconfig_mapping(backend)
-        prepared = qcore.prepare_fx(model, mapping, (x,), backend=backend)
-    else:
-        prepared = qcore.prepare_pt2e(torch.export.export(model, (x,)).module(), backend)
-    for batch in calibration:
-        prepared(batch)
-    converted = qcore.convert_fx(prepared) if path == "fx" else qcore.convert_pt2e(prepared)
+    converted = _converted(model, backend, path, [(b,) for b in calibration], (x,))
     report = qcore.explain(converted)
     statistics = {e.node for e in report if e.reason == STATISTIC_REASON}
     assert {"mean", "add", "mul"} <= statistics, report.format(verbose=True)
@@ -225,15 +222,7 @@ def test_an_attention_mask_and_its_softmax_stay_float(backend, path):
     torch.manual_seed(0)
     model = MaskedAttention().eval()
     *calibration, held_out = _padded_batches()
-    if path == "fx":
-        mapping = qcore.get_default_qconfig_mapping(backend)
-        prepared = qcore.prepare_fx(model, mapping, held_out, backend=backend)
-    else:
-        exported = torch.export.export(model, held_out).module()
-        prepared = qcore.prepare_pt2e(exported, backend)
-    for batch in calibration:
-        prepared(*batch)
-    converted = qcore.convert_fx(prepared) if path == "fx" else qcore.convert_pt2e(prepared)
+    converted = _converted(model, backend, path, calibration, held_out)
     report = qcore.explain(converted)
     for entry in report:
         if "softmax" in entry.op or entry.reason == MASK_REASON:
