@@ -231,3 +231,24 @@ def test_an_attention_mask_and_its_softmax_stay_float(backend, path):
     expected, got = model(*held_out), converted(*held_out)
     valid = held_out[1].bool()
     assert _sqnr(expected[valid], got[valid]) > 25
+
+
+class GuardedRange(nn.Module):
+    """A clamp guarding against overflow (T5's, in float16): no mask, nothing kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.fc(x).clamp(min=-65504.0, max=65504.0) + x)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_large_negative_clamp_bound_is_no_mask(backend):
+    torch.manual_seed(0)
+    model, x = GuardedRange().eval(), torch.randn(4, 16)
+    converted = _converted(model, backend, "fx", [(x,)], (x,))
+    report = qcore.explain(converted)
+    assert not any(e.reason == MASK_REASON for e in report), report.format(verbose=True)
+    assert report["out"].status.value == "quantized"

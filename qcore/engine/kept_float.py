@@ -145,6 +145,46 @@ def _flat(values: Iterable[Any]) -> Iterable[Any]:
             yield value
 
 
+# Ops that make a mask from a constant, and ops a mask flows through (combined,
+# reshaped, added to scores). Not a clamp(min=-1e4): a range guard, no mask; and
+# nothing computing (linear, matmul) carries one on.
+_MASK_MAKERS = {
+    "mul",
+    "div",
+    "truediv",
+    "masked_fill",
+    "where",
+    "full",
+    "full_like",
+    "new_full",
+    "fill",
+    "scalar_tensor",
+    "add",
+    "sub",
+    "rsub",
+}
+_MASK_FLOWS = {
+    "add",
+    "sub",
+    "rsub",
+    "mul",
+    "where",
+    "masked_fill",
+    "minimum",
+    "maximum",
+    "min",
+    "max",
+    "cat",
+    "expand",
+    "expand_as",
+    "repeat",
+    "permute",
+    "transpose",
+    "squeeze",
+    "index",
+}
+
+
 def _makes_mask(gm: GraphModule, node: Node) -> bool:
     """``node`` writes a mask value: a large negative or infinite constant argument
     (``* finfo.min``, ``masked_fill(..., -inf)``, ``full(..., -10000.0)``), or it
@@ -158,7 +198,7 @@ def _makes_mask(gm: GraphModule, node: Node) -> bool:
             and value.numel() > 0
             and bool((value <= MASK_VALUE).any())
         )
-    if node.op not in ("call_function", "call_method"):
+    if node.op not in ("call_function", "call_method") or _word(node) not in _MASK_MAKERS:
         return False
     return any(_is_mask_constant(v) for v in _flat((*node.args, *node.kwargs.values())))
 
@@ -175,7 +215,8 @@ def _mask_carriers(gm: GraphModule) -> set[Node]:
             if reads_mask:
                 kept.add(node)
             continue
-        if reads_mask or _makes_mask(gm, node):
+        flows = reads_mask and _word(node) in _MASK_FLOWS | _MASK_SHAPING
+        if flows or _makes_mask(gm, node):
             carriers.add(node)
             if not reads_mask and _word(node) in _SCALINGS:
                 kept.update(_scaled_mask(node))
