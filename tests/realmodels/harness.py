@@ -41,6 +41,7 @@ from torch import nn
 from zoo.baseline import _quiet, backend_config, count_quantized_ops, quantized_engine, sqnr
 
 import qcore
+from qcore.engine.constants import CONSTANT_MATH_REASON
 from qcore.engine.trace import TraceFailure
 
 from .models import FX_BODIES, Case, build
@@ -64,13 +65,22 @@ class SideResult:
     details: str | None = None  # traceback
     sqnr: float | None = None  # dB, over all the held-out batches' outputs
     weighted_quantized: int = 0  # linear/conv ops running quantized
+    # linear/conv ops qcore keeps float because they compute on constants only
+    # (SwinV2's position-bias MLP on its coordinates table): no input reaches them
+    weighted_on_constants: int = 0
     model: Callable | None = field(default=None, repr=False)  # runs like the float model
 
     def summary(self) -> str:
         if not self.ok:
             return f"{self.side} FAILED at {self.stage}: {self.error}"
+        on_constants = (
+            f" (+{self.weighted_on_constants} on constants, float)"
+            if self.weighted_on_constants
+            else ""
+        )
         return (
-            f"{self.side} SQNR {self.sqnr:.2f} dB, {self.weighted_quantized} linear/conv quantized"
+            f"{self.side} SQNR {self.sqnr:.2f} dB, {self.weighted_quantized} linear/conv "
+            f"quantized{on_constants}"
         )
 
 
@@ -216,6 +226,13 @@ def _fx_weighted_qcore(converted: nn.Module) -> int:
     )
 
 
+def _weighted_on_constants(converted: nn.Module) -> int:
+    return sum(
+        e.reason == CONSTANT_MATH_REASON and re.search(r"linear|conv", e.op, re.I) is not None
+        for e in qcore.explain(converted).entries
+    )
+
+
 def _fx_weighted_torch_ao(converted: torch.fx.GraphModule) -> int:
     counts = count_quantized_ops(converted)
     return sum(
@@ -244,6 +261,7 @@ def fx_qcore(case: Case, model: nn.Module, config: Any, backend: str) -> SideRes
             result.sqnr = _score(case.model, converted, case.evaluation)
             stage = "explain"
             result.weighted_quantized = _fx_weighted_qcore(converted)
+            result.weighted_on_constants = _weighted_on_constants(converted)
     except Exception as error:
         return _fail(result, stage, error)
     result.ok, result.model = True, converted
@@ -331,6 +349,7 @@ def pt2e_qcore(case: Case) -> SideResult:
             stage = "run"
             result.sqnr = _score(case.model, converted, case.evaluation)
             result.weighted_quantized = _pt2e_weighted(converted)
+            result.weighted_on_constants = _weighted_on_constants(converted)
     except Exception as error:
         return _fail(result, stage, error)
     result.ok, result.model = True, converted
