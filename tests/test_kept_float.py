@@ -21,8 +21,7 @@ from backends import backend_params
 from torch import nn
 
 import qcore
-from qcore.engine.constants import CONSTANT_MATH_REASON
-from qcore.engine.kept_float import MASK_REASON, STATISTIC_REASON
+from qcore.engine.kept_float import CONSTANT_MATH_REASON, MASK_REASON, STATISTIC_REASON
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -339,21 +339,34 @@ def returns_container(node: Node) -> bool:
     return isinstance(meta, (tuple, list, dict)) and not isinstance(meta, TensorMetadata)
 
 
-def _resolved(point: Any, annotations: dict[Node, QuantizationAnnotation]) -> Any:
-    """The spec a point ends at after following SharedQuantizationSpecs (None if unset)."""
+def _spec_at(point: Any, annotations: dict[Node, QuantizationAnnotation]) -> Any:
+    """The spec annotated at a point: an edge's input spec, a node's output spec."""
+    if isinstance(point, tuple):
+        annotation = annotations.get(point[1])
+        return annotation.input_qspec_map.get(point[0]) if annotation else None
+    annotation = annotations.get(point)
+    return annotation.output_qspec if annotation else None
+
+
+def _root_point(point: Any, annotations: dict[Node, QuantizationAnnotation]) -> Any:
+    """The point (node or edge) whose spec ``point``'s SharedQuantizationSpecs end at."""
     seen = set()
-    while point is not None and id(point) not in seen:
-        seen.add(id(point))
-        if isinstance(point, tuple):
-            annotation = annotations.get(point[1])
-            spec = annotation.input_qspec_map.get(point[0]) if annotation else None
-        else:
-            annotation = annotations.get(point)
-            spec = annotation.output_qspec if annotation else None
+    while point not in seen:
+        seen.add(point)
+        spec = _spec_at(point, annotations)
         if not isinstance(spec, SharedQuantizationSpec):
-            return spec
+            return point
         point = spec.edge_or_node
-    return None
+    return point  # shared specs in a cycle
+
+
+def _resolved(point: Any, annotations: dict[Node, QuantizationAnnotation]) -> Any:
+    """The spec a point ends at after following SharedQuantizationSpecs (None if
+    unset, or if they go round in a cycle)."""
+    if point is None:
+        return None
+    spec = _spec_at(_root_point(point, annotations), annotations)
+    return None if isinstance(spec, SharedQuantizationSpec) else spec
 
 
 def reuse_observed_inputs(annotations: dict[Node, QuantizationAnnotation]) -> None:
@@ -405,29 +418,12 @@ def share_inputs_of_cat(annotations: dict[Node, QuantizationAnnotation]) -> None
             _join(_root_point(producer, annotations), first, annotations)
 
 
-def _root_point(point: Any, annotations: dict[Node, QuantizationAnnotation]) -> Any:
-    """The point (node or edge) whose spec ``point``'s SharedQuantizationSpecs end at."""
-    seen = set()
-    while id(point) not in seen:
-        seen.add(id(point))
-        if isinstance(point, tuple):
-            annotation = annotations.get(point[1])
-            spec = annotation.input_qspec_map.get(point[0]) if annotation else None
-        else:
-            annotation = annotations.get(point)
-            spec = annotation.output_qspec if annotation else None
-        if not isinstance(spec, SharedQuantizationSpec):
-            return point
-        point = spec.edge_or_node
-    return point
-
-
 def _join(root: Any, first: Any, annotations: dict[Node, QuantizationAnnotation]) -> None:
     """Make ``root``'s observer ``first``'s where both are plain observers alike."""
     target = _root_point(first, annotations)
     if root is target or root == target:
         return
-    mine, theirs = _resolved(root, annotations), _resolved(target, annotations)
+    mine, theirs = _spec_at(root, annotations), _spec_at(target, annotations)
     if type(mine) is not QuantizationSpec or type(theirs) is not QuantizationSpec:
         return  # fixed qparams, derived, or nothing: not an observer to share
 

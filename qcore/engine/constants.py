@@ -21,19 +21,12 @@ from torch.fx import GraphModule, Node
 from qcore.engine.observe import OBSERVER_PREFIX
 
 __all__ = [
-    "CONSTANT_MATH_REASON",
     "Constants",
     "attribute",
     "observe_constants",
     "reached_by_inputs",
     "unobserved",
 ]
-
-#: Why an op no model input's values reach stays float (explain's reason).
-CONSTANT_MATH_REASON = (
-    "computes on the model's constants and sizes only (no input's values reach it: "
-    "position tables, rotary angles): float is exact there; 8 bits would round every value"
-)
 
 
 def unobserved(observer: torch.nn.Module) -> bool:

@@ -28,9 +28,14 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from qcore.engine.constants import CONSTANT_MATH_REASON, attribute, reached_by_inputs
+from qcore.engine.constants import attribute, reached_by_inputs
 
-__all__ = ["MASK_REASON", "STATISTIC_REASON", "kept_float"]
+__all__ = ["CONSTANT_MATH_REASON", "MASK_REASON", "STATISTIC_REASON", "kept_float"]
+
+CONSTANT_MATH_REASON = (
+    "computes on the model's constants and sizes only (no input's values reach it: "
+    "position tables, rotary angles): float is exact there; 8 bits would round every value"
+)
 
 MASK_REASON = (
     "carries an attention mask (a large negative constant such as finfo.min): an "
@@ -48,6 +53,7 @@ _NORMALIZERS = {"rsqrt", "sqrt", "reciprocal"}
 _REDUCTIONS = {"mean", "sum", "var", "std", "norm", "linalg_vector_norm", "var_mean"}
 # what may stand between a reduction and its normalizer: ``+ eps``, a cast, a clamp
 _BETWEEN = {"add", "sub", "mul", "div", "truediv", "to", "float", "_to_copy", "clamp", "clamp_min"}
+_BETWEEN_OR_NORMALIZER = _BETWEEN | _NORMALIZERS
 _APPLIERS = {"mul", "div", "truediv"}
 _MAX_STEPS = 6
 
@@ -104,7 +110,7 @@ def _statistic_behind(start: Node) -> list[Node] | None:
         if word in _REDUCTIONS:
             return chain
         inputs = _tensor_args(node)
-        if word not in _BETWEEN | _NORMALIZERS or len(inputs) != 1:
+        if word not in _BETWEEN_OR_NORMALIZER or len(inputs) != 1:
             return None
         node = inputs[0]
     return None
@@ -184,6 +190,27 @@ _MASK_FLOWS = {
     "index",
 }
 
+_SCALINGS = {"mul", "div", "truediv"}
+# what turns an attention mask input into the 0/1 tensor a constant scales
+_MASK_SHAPING = {
+    "rsub",
+    "sub",
+    "to",
+    "_to_copy",
+    "float",
+    "type_as",
+    "unsqueeze",
+    "expand",
+    "view",
+    "reshape",
+    "getitem",
+    "slice",
+    "select",
+    "contiguous",
+    "clone",
+}
+_MASK_CARRYING = _MASK_FLOWS | _MASK_SHAPING
+
 
 def _makes_mask(gm: GraphModule, node: Node) -> bool:
     """``node`` writes a mask value: a large negative or infinite constant argument
@@ -210,38 +237,17 @@ def _mask_carriers(gm: GraphModule) -> set[Node]:
     carriers: set[Node] = set()
     kept: set[Node] = set()
     for node in gm.graph.nodes:
+        word = _word(node)
         reads_mask = any(arg in carriers for arg in node.all_input_nodes)
-        if _word(node) in _BOUNDING:
+        if word in _BOUNDING:
             if reads_mask:
                 kept.add(node)
             continue
-        flows = reads_mask and _word(node) in _MASK_FLOWS | _MASK_SHAPING
-        if flows or _makes_mask(gm, node):
+        if (reads_mask and word in _MASK_CARRYING) or _makes_mask(gm, node):
             carriers.add(node)
-            if not reads_mask and _word(node) in _SCALINGS:
+            if not reads_mask and word in _SCALINGS:
                 kept.update(_scaled_mask(node))
     return {n for n in carriers | kept if n.op not in ("get_attr", "placeholder")}
-
-
-_SCALINGS = {"mul", "div", "truediv"}
-# what turns an attention mask input into the 0/1 tensor a constant scales
-_MASK_SHAPING = {
-    "rsub",
-    "sub",
-    "to",
-    "_to_copy",
-    "float",
-    "type_as",
-    "unsqueeze",
-    "expand",
-    "view",
-    "reshape",
-    "getitem",
-    "slice",
-    "select",
-    "contiguous",
-    "clone",
-}
 
 
 def _scaled_mask(scaling: Node) -> list[Node]:

@@ -191,7 +191,7 @@ def fixed_qparams_module(spec: Any, is_qat: bool = False) -> torch.nn.Module:
     training sees the op's output rounded. A range left None is the dtype's."""
     quant_min, quant_max = spec.quant_min, spec.quant_max
     if quant_min is None or quant_max is None:
-        info = torch.iinfo(_as_integer_dtype(spec.dtype))
+        info = torch.iinfo(ops.storage_dtype(spec.dtype))
         quant_min = info.min if quant_min is None else quant_min
         quant_max = info.max if quant_max is None else quant_max
     observer = FixedQParamsObserver.with_args(
@@ -203,11 +203,6 @@ def fixed_qparams_module(spec: Any, is_qat: bool = False) -> torch.nn.Module:
         quant_max=quant_max,
     )
     return FixedQParamsFakeQuantize(observer) if is_qat else observer()
-
-
-def _as_integer_dtype(dtype: torch.dtype) -> torch.dtype:
-    quantized = {torch.quint8: torch.uint8, torch.qint8: torch.int8, torch.qint32: torch.int32}
-    return quantized.get(dtype, dtype)
 
 
 class FusedMovingAvgObsFakeQuantize(FakeQuantize):

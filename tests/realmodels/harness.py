@@ -41,7 +41,7 @@ from torch import nn
 from zoo.baseline import _quiet, backend_config, count_quantized_ops, quantized_engine, sqnr
 
 import qcore
-from qcore.engine.constants import CONSTANT_MATH_REASON
+from qcore.engine.kept_float import CONSTANT_MATH_REASON
 from qcore.engine.trace import TraceFailure
 
 from .models import FX_BODIES, Case, build
