@@ -29,6 +29,7 @@ import torch
 from torch.fx import GraphModule
 
 from qcore.config.errors import describe
+from qcore.engine.concat_linears import concat_sibling_linears
 from qcore.engine.explain import _REPORT_ATTRIBUTE, report_of
 from qcore.plugin import CompileRecipe, UnknownBackendError, get_backend
 from qcore.plugin.recipes import check_compile_mode
@@ -277,4 +278,7 @@ def compile(  # noqa: A001
         recipe = _backend_recipe(backend_name, mode)
     if recipe is None:
         return qcore.convert_fx(model) if path == "fx" else qcore.convert_pt2e(model, lower=True)
-    return CompiledModel(_reference_form(model, path), recipe, backend_name)
+    reference = _reference_form(model, path)
+    if recipe.concat_linears:
+        concat_sibling_linears(reference)
+    return CompiledModel(reference, recipe, backend_name)

@@ -323,6 +323,10 @@ def test_compile_names_the_argument_it_refuses(arguments, error, words):
         ({"options": {1: True}}, r"CompileRecipe.options: got \{1: True\} .*; expected a mapping"),
         ({"dynamic": "yes"}, r"CompileRecipe.dynamic: got 'yes' \(str\); expected True, False"),
         ({"no_grad": 1}, r"CompileRecipe.no_grad: got 1 \(int\); expected True or False"),
+        (
+            {"concat_linears": "yes"},
+            r"CompileRecipe.concat_linears: got 'yes' \(str\); expected True or False",
+        ),
     ],
 )
 def test_a_recipe_names_the_field_it_refuses(fields, words):

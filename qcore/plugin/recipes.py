@@ -49,7 +49,11 @@ class CompileRecipe:
     or a callable. ``options`` go to it (for Inductor, its config keys: ``freezing``
     folds the int8 weights into packed constants); they apply while compiling only,
     never process-wide. ``no_grad`` runs each call under ``torch.no_grad()``, which
-    Inductor's freezing needs. ``summary`` is the line ``qcore.explain`` prints.
+    Inductor's freezing needs. ``concat_linears`` first merges the linears that read
+    one quantized input (q/k/v projections) into one, their per-channel int8 weights
+    concatenated: the same numbers, one GEMM where there were several
+    (:mod:`qcore.engine.concat_linears`). ``summary`` is the line ``qcore.explain``
+    prints.
 
     Example::
 
@@ -62,6 +66,7 @@ class CompileRecipe:
     dynamic: bool | None = None
     no_grad: bool = True
     summary: str = ""
+    concat_linears: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.compiler, str) and self.compiler) and not callable(self.compiler):
@@ -78,6 +83,11 @@ class CompileRecipe:
             raise TypeError(
                 f"CompileRecipe.no_grad: got {describe(self.no_grad)}; expected True or False"
             )
+        if not isinstance(self.concat_linears, bool):
+            raise TypeError(
+                f"CompileRecipe.concat_linears: got {describe(self.concat_linears)}; "
+                "expected True or False"
+            )
         if not isinstance(self.summary, str):
             raise TypeError(
                 f"CompileRecipe.summary: got {describe(self.summary)}; expected a string"
@@ -93,6 +103,8 @@ class CompileRecipe:
         name = self.compiler if isinstance(self.compiler, str) else describe(self.compiler)
         options = ", ".join(f"{key}={value!r}" for key, value in self.options.items())
         text = f"torch.compile(backend={name}" + (f", {options})" if options else ")")
+        if self.concat_linears:
+            text = f"linears reading one input concatenated, then {text}"
         return f"{self.summary} ({text})" if self.summary else text
 
 

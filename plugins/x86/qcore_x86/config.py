@@ -125,10 +125,12 @@ def inductor_recipe(mode: str = "default"):
         return CompileRecipe(
             "inductor",
             {"freezing": True, "cpp_wrapper": True},
+            concat_linears=True,
             summary="Inductor with oneDNN's int8 passes, frozen weights and its C++ wrapper",
         )
     return CompileRecipe(
         "inductor",
         {"freezing": True},
+        concat_linears=True,
         summary="Inductor with oneDNN's int8 passes and frozen weights",
     )
