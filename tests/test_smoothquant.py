@@ -110,18 +110,27 @@ def test_float_function_stays_and_sqnr_rises(path, backend):
 
 @pytest.mark.parametrize("path", ["fx", "pt2e"])
 def test_search_picks_an_alpha_per_group_no_worse_than_the_default(path):
+    """Scored on 8 held-out batches: on _X alone, 32 rows, alphas 0.4 to 0.7 differ by
+    up to 1.7 dB of noise (PT2E: 36.4 dB there, 29.4 on 1024 other rows)."""
     model = Outliers().eval()
     prepared = _prepared(model, path, _backend())
     default = qcore.smooth_quant(prepared, _data())
     searched = qcore.smooth_quant(prepared, _data(), alpha="search")
     alphas = {g.layers: g.alpha for g in smoothed_layers(searched) if g.alpha is not None}
-    assert set(alphas) == {("q", "k"), ("v",)}
+    assert ("q", "k") in alphas  # the outliers' group; v's input has none to move
+    assert set(alphas) <= {("q", "k"), ("v",)}
     assert all(a in qcore.algorithms.smoothquant.SEARCH_ALPHAS for a in alphas.values())
+    unseen = torch.cat(_data(8, seed=2))
     with torch.no_grad():
-        expected = model(_X)
-        default_db = sqnr(expected, _quantized(default, path)(_X))
-        searched_db = sqnr(expected, _quantized(searched, path)(_X))
+        expected = model(unseen)
+        default_db = sqnr(expected, _batched(_quantized(default, path), unseen))
+        searched_db = sqnr(expected, _batched(_quantized(searched, path), unseen))
     assert searched_db >= default_db - 0.5, (default_db, searched_db)
+
+
+def _batched(model, x: torch.Tensor, size: int = 32) -> torch.Tensor:
+    """``model`` on ``x`` in batches of ``size`` rows (a PT2E model runs its export's)."""
+    return torch.cat([model(chunk) for chunk in x.split(size)])
 
 
 class NormThenLinear(torch.nn.Module):
@@ -155,6 +164,34 @@ def test_search_scores_alphas_on_rows_their_scale_did_not_see(backend):
             for batch in calibration:
                 prepared(batch)
             results[alpha] = sqnr(model(unseen), qcore.convert_fx(prepared)(unseen))
+    assert results["search"] >= results[None] - 0.3, results
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_search_is_never_below_leaving_the_model_alone(backend):
+    """The example MLP (Linear-ReLU x3, then a Linear) has three groups in a chain:
+    smoothing one divides the rows of the linear before it and changes the noise
+    every later layer gets. Scored on each group's own output, the search smoothed
+    two of them and lost 3.3 dB on held-out batches on x86 (36.2 against 39.4
+    unsmoothed), 4.2 on qnnpack (34.1 against 38.3); scored on the model's output,
+    it is not below."""
+    from qcore.examples import EVAL_SEED, ZOO
+
+    entry = ZOO["mlp"]
+    model, calibration = entry.make_model(), entry.calibration_data(4)
+    unseen = entry.calibration_data(4, seed=EVAL_SEED)
+    exported = torch.export.export(model, calibration[0]).module()
+    results = {}
+    for alpha in (None, "search"):
+        prepared = qcore.prepare_pt2e(exported, backend)
+        if alpha is not None:
+            prepared = qcore.smooth_quant(prepared, calibration, alpha=alpha)
+        with torch.no_grad():
+            for batch in calibration:
+                prepared(*batch)
+            quantized = qcore.convert_pt2e(prepared)
+            expected = torch.cat([model(*batch) for batch in unseen])
+            results[alpha] = sqnr(expected, torch.cat([quantized(*batch) for batch in unseen]))
     assert results["search"] >= results[None] - 0.3, results
 
 
@@ -231,10 +268,9 @@ def test_dynamic_quantization_is_smoothed_too():
     mapping = QConfigMapping().set_object_type(torch.nn.Linear, default_dynamic_qconfig)
     prepared = qcore.prepare_fx(model, mapping, (_X,), backend=_backend())
     smoothed = qcore.smooth_quant(prepared, _data(), alpha="search")
-    assert {g.layers for g in smoothed_layers(smoothed) if g.alpha is not None} == {
-        ("q", "k"),
-        ("v",),
-    }
+    # v's input, relu(q(h)), has no outlier channels: smoothing it gains nothing
+    # (under 0.1 dB at any alpha, on 1024 unseen rows), and the search may leave it
+    assert ("q", "k") in {g.layers for g in smoothed_layers(smoothed) if g.alpha is not None}
     with torch.no_grad():
         expected = model(_X)
         plain_db = sqnr(expected, _quantized(prepared, "fx")(_X))

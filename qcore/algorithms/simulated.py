@@ -5,12 +5,13 @@ that includes the weights' observers), and an FX layer runs on its fake-quantize
 weights. Observers only read here: running the graph changes no statistics.
 Empirical bias correction (``correct_bias(..., method="empirical")``) walks the
 graph in this form, one layer at a time, across all calibration batches at once:
-each layer's bias is set before anything after it runs.
+each layer's bias is set before anything after it runs. ``smooth_quant``'s search
+scores its candidates on the outputs of whole runs (:func:`simulated_outputs`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -18,8 +19,9 @@ from torch.fx import GraphModule, Interpreter, Node
 
 from qcore.algorithms.layers import Layer, is_observer_module, weighted_module
 from qcore.engine.reference import QParams, fake_quantize, qparams_of
+from qcore.observers import MinMaxObserver
 
-__all__ = ["float_pre_activations", "sample_means", "simulated_steps"]
+__all__ = ["float_pre_activations", "sample_means", "simulated_outputs", "simulated_steps"]
 
 _INTEGER_DTYPES = (torch.quint8, torch.qint8, torch.int8, torch.uint8)
 
@@ -153,3 +155,70 @@ def simulated_steps(
             if shift is not None:
                 pre = pre + _channel_shaped(shift, pre, layers[node].is_linear).to(pre.dtype)
             run.step(node, run.finish(node, pre), computed=True)
+
+
+class _Converted(_Run):
+    """Whole batches as converted: FX layers on their dequantized weights (by module
+    target), a dynamic observer's input quantized by its own range, as the dynamic
+    kernel quantizes each batch at run time. ``qparams``: each static observer's,
+    by target, computed once for every batch."""
+
+    def __init__(
+        self,
+        gm: GraphModule,
+        full_range: bool,
+        weights: dict[str, torch.Tensor],
+        quantized: bool,
+        qparams: dict[str, QParams],
+    ) -> None:
+        super().__init__(gm, quantized=quantized, full_range=full_range)
+        self.weights, self.qparams = weights, qparams
+
+    def run_node(self, node: Node) -> Any:
+        if node.op == "call_module" and node.target in self.weights:
+            return self.finish(node, self.pre_activation(node))
+        return super().run_node(node)
+
+    def call_module(self, target: str, args: Any, kwargs: Any) -> Any:
+        module = self.module.get_submodule(target)
+        if not self.quantized or not is_observer_module(module):
+            return super().call_module(target, args, kwargs)
+        (x,) = args
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            return x
+        if getattr(module, "dtype", None) not in _INTEGER_DTYPES:
+            return x
+        if getattr(module, "is_dynamic", False):
+            observer = MinMaxObserver(dtype=module.dtype)
+            observer(x.detach())
+            qparams = qparams_of(observer, full_range=self.full_range)
+        else:
+            if target not in self.qparams:
+                self.qparams[target] = qparams_of(module, full_range=self.full_range)
+            qparams = self.qparams[target]
+        return fake_quantize(x, qparams)[1].to(x.dtype)
+
+
+def simulated_outputs(
+    gm: GraphModule,
+    weight_qparams: Mapping[Node, QParams | None],
+    batches: list[tuple],
+    full_range: bool,
+    *,
+    quantized: bool = True,
+) -> list[Any]:
+    """``gm``'s output on each batch as its converted model computes it, from the
+    qparams its observers calibrated (observers only read); with ``quantized``
+    False, the float model's (observers pass values through). ``weight_qparams``:
+    FX layers' (a module call -> the qparams convert quantizes its weight with;
+    PT2E weights have observers in the graph)."""
+    weights = {}
+    for node, qparams in weight_qparams.items():
+        if node.op == "call_module" and qparams is not None:
+            weight = weighted_module(gm.get_submodule(node.target)).weight
+            weights[node.target] = fake_quantize(weight, qparams)[1].to(weight.dtype)
+    observed: dict[str, QParams] = {}
+    with torch.no_grad():
+        return [
+            _Converted(gm, full_range, weights, quantized, observed).run(*args) for args in batches
+        ]
