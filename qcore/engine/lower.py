@@ -56,7 +56,13 @@ from qcore.kernels.runtime import (
     saturates_uint8_products,
 )
 from qcore.plugin.isolation import call_isolated
-from qcore.plugin.kernels import ActivationQParams, DynamicInput, KernelMatch, SameOp
+from qcore.plugin.kernels import (
+    ActivationQParams,
+    DynamicInput,
+    KernelMatch,
+    KernelUnavailable,
+    SameOp,
+)
 
 __all__ = ["lower", "quantize_float32"]
 
@@ -89,7 +95,14 @@ SATURATING_SUMS = (
 
 
 class _Refused(Exception):
-    """A kernel cannot take this match; the message is explain's reason."""
+    """A kernel cannot take this match; the message is explain's reason. A kernel
+    that matched and says it does not exist on its engine (``KernelUnavailable``:
+    qnnpack has no fp16 linear) is the reason a user needs first, before the
+    refusals of kernels for other forms of the pattern."""
+
+    def __init__(self, message: str, unavailable: bool = False) -> None:
+        super().__init__(message)
+        self.unavailable = unavailable
 
 
 def _is_call(node: Any, function: Any) -> bool:
@@ -242,7 +255,7 @@ class _Lowering:
             try:
                 self._apply(kernel, chain)
             except _Refused as refused:
-                reasons.append(f"kernel {kernel.name}: {refused}")
+                reasons.append((not refused.unavailable, f"kernel {kernel.name}: {refused}"))
                 continue
             for matched in chain:
                 self.lowered[matched.name] = kernel.name
@@ -251,7 +264,9 @@ class _Lowering:
                     self.fused_into[matched.name] = node.name
             return
         if reasons:
-            self.unlowered[node.name] = "; ".join(reasons) + " (left in reference form)"
+            reasons.sort(key=lambda reason: reason[0])  # stable: the kernels' order otherwise
+            text = "; ".join(reason for _, reason in reasons)
+            self.unlowered[node.name] = text + " (left in reference form)"
 
     # ------------------------------------------------------------------ one match
 
@@ -302,7 +317,7 @@ class _Lowering:
         # SystemExit too: a plugin never ends the user's process.
         result, error = call_isolated(lambda: kernel.lower(match))
         if error is not None:
-            raise _Refused(_refusal(error)) from error
+            raise _Refused(_refusal(error), isinstance(error, KernelUnavailable)) from error
         root = chain[0]
         if isinstance(result, SameOp):
             if len(chain) != 1 or quantize is None:
@@ -805,9 +820,11 @@ def _float_producer(node: Node) -> Node | None:
 
 
 def _refusal(error: BaseException) -> str:
-    """A kernel's reason for not taking a match: a ValueError is the documented way
-    to refuse, so its message alone; any other error is named (a kernel's bug)."""
-    return str(error) if type(error) is ValueError else f"{type(error).__name__}: {error}"
+    """A kernel's reason for not taking a match: a ValueError or KernelUnavailable is
+    a documented way to refuse, so its message alone; any other error is named (a
+    kernel's bug)."""
+    documented = type(error) is ValueError or isinstance(error, KernelUnavailable)
+    return str(error) if documented else f"{type(error).__name__}: {error}"
 
 
 def _op_and_pattern(entry: Entry) -> str:
