@@ -19,7 +19,8 @@ A model named ``<model>+trained_bn`` is ``<model>`` with batch-norm statistics a
 training leaves them (:func:`plant_trained_bn`): the per-channel range imbalance
 equalization is for, which random weights do not have. The backend name
 ``"qnnpack per-channel"`` is qnnpack with per-channel weights, ``"qnnpack
-residual-float"`` qnnpack with its adds left float (:func:`its_quantizer`).
+residual-float"`` qnnpack with its adds left float, ``"qnnpack linears/convs only"``
+qnnpack quantizing nothing else (:func:`its_quantizer`).
 ``--merge`` keeps the rows ``--out`` has for what this run does not measure.
 """
 
@@ -66,8 +67,12 @@ DEPTHWISE = ("mobilenetv2_like", "mobilenet_v2", "efficientnet", "convnext")
 BACKENDS = ("x86", "qnnpack")
 #: A row beside the backends: qnnpack with per-channel weights (its_quantizer).
 QNNPACK_PER_CHANNEL = "qnnpack per-channel"
-#: Another: qnnpack with every add float, the user guide's scope for transformers.
+#: Another: qnnpack with every add float.
 QNNPACK_RESIDUAL_FLOAT = "qnnpack residual-float"
+#: Another: qnnpack quantizing linears and convs only (their input, weight and output),
+#: every other op float: the user guide's scope for transformers (NNCF's TRANSFORMER
+#: preset quantizes linear and matmul inputs only).
+QNNPACK_WEIGHTED_ONLY = "qnnpack linears/convs only"
 #: qcore's recipes, in table order: name -> quantize's algorithms=.
 RECIPES: dict[str, list] = {
     "plain": [],
@@ -260,14 +265,22 @@ def its_quantizer(backend: str) -> object:
     QConfigMapping whose global QConfig takes per-channel symmetric weights, what a
     user writes for torchao's ``XNNPACKQuantizer(is_per_channel=True)``: torch's
     qnnpack conv and linear kernels take per-channel weights; for
-    ``QNNPACK_RESIDUAL_FLOAT`` the same mapping with every add left float."""
-    if backend not in (QNNPACK_PER_CHANNEL, QNNPACK_RESIDUAL_FLOAT):
+    ``QNNPACK_RESIDUAL_FLOAT`` the same mapping with every add left float; for
+    ``QNNPACK_WEIGHTED_ONLY`` a mapping quantizing linears and convs alone."""
+    if backend not in (QNNPACK_PER_CHANNEL, QNNPACK_RESIDUAL_FLOAT, QNNPACK_WEIGHTED_ONLY):
         return backend
     from qcore.observers import default_per_channel_weight_observer
     from qcore.pt2e.backend_quantizer import BackendQuantizer
 
     mapping = qcore.get_default_qconfig_mapping("qnnpack")
-    if backend == QNNPACK_PER_CHANNEL:
+    if backend == QNNPACK_WEIGHTED_ONLY:
+        qconfig, mapping = mapping.global_qconfig, qcore.QConfigMapping().set_global(None)
+        functional = torch.nn.functional
+        for op in (torch.nn.Linear, functional.linear, torch.nn.Conv1d, torch.nn.Conv2d):
+            mapping.set_object_type(op, qconfig)
+        for op in (functional.conv1d, functional.conv2d):
+            mapping.set_object_type(op, qconfig)
+    elif backend == QNNPACK_PER_CHANNEL:
         activation = mapping.global_qconfig.activation
         mapping.set_global(qcore.QConfig(activation, default_per_channel_weight_observer))
     else:

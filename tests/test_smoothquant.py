@@ -259,6 +259,67 @@ def test_bad_arguments_are_named():
         qcore.smooth_quant(prepared, _data())
 
 
+class DroppedOutliers(Outliers):
+    """Outliers with a dropout between the LayerNorm and q/k, as transformers' BERT
+    and Wav2Vec2 have (the embeddings' or the encoder's dropout before the first
+    layer): in eval mode the identity, in the exported graph an ``aten.dropout``
+    node with ``train=False``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.norm(x))
+        return self.out(self.v(torch.relu(self.q(h))) + self.k(h))
+
+
+@pytest.mark.parametrize("path", ["fx", "pt2e"])
+def test_an_eval_mode_dropout_is_stepped_over(path):
+    """The dropout neither hides the LayerNorm (which absorbs 1/s) nor counts as a
+    second reader of it: q and k are smoothed through it, as without it."""
+    model = DroppedOutliers().eval()
+    prepared = _prepared(model, path, _backend())
+    if path == "pt2e":
+        dropouts = [n for n in prepared.graph.nodes if n.target is torch.ops.aten.dropout.default]
+        assert dropouts and all(n.args[2] is False for n in dropouts)
+    smoothed = qcore.smooth_quant(prepared, _data())
+    groups = {group.layers: group for group in smoothed_layers(smoothed)}
+    assert groups[("q", "k")].alpha == 0.5, groups[("q", "k")].skipped
+    assert groups[("q", "k")].source in ("norm", "layer_norm")
+    with torch.no_grad():
+        before, after = copy.deepcopy(prepared)(_X), copy.deepcopy(smoothed)(_X)
+        assert ((after - before).abs().max() / before.abs().max()).item() < 1e-5
+        expected = model(_X)
+        plain_db = sqnr(expected, _quantized(prepared, path)(_X))
+        smoothed_db = sqnr(expected, _quantized(smoothed, path)(_X))
+    assert smoothed_db >= plain_db + 3.0, (plain_db, smoothed_db)
+
+
+def test_a_dropout_that_drops_is_not_stepped_over():
+    """In training mode a dropout zeroes and rescales: the pass stops at it (its
+    input comes from the dropout, which cannot absorb 1/s)."""
+    from qcore.algorithms.smoothquant import _is_eval_dropout
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    aten = torch.ops.aten
+    F = torch.nn.functional
+    cases = {
+        graph.call_function(aten.dropout.default, (x, 0.1, False)): True,
+        graph.call_function(aten.dropout.default, (x, 0.1, True)): False,
+        graph.call_function(aten.dropout.default, (x, 0.0, True)): True,
+        graph.call_function(F.dropout, (x,), {"p": 0.1, "training": False}): True,
+        graph.call_function(F.dropout, (x, 0.1)): False,  # training defaults to True
+        graph.call_function(F.dropout, (x, 0.1, False, True)): False,  # in place
+        graph.call_function(torch.relu, (x,)): False,
+    }
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert {node.name: _is_eval_dropout(gm, node) for node in cases} == {
+        node.name: expected for node, expected in cases.items()
+    }
+
+
 def test_dynamic_quantization_is_smoothed_too():
     """Dynamic linears quantize their input per batch at run time: the search scores
     each alpha with the input's range, as that quantization takes it."""

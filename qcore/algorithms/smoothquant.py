@@ -9,10 +9,10 @@ per-channel (or wider) quantization takes better. ``alpha`` sets how much moves.
 
 The division of ``X`` is folded into the op producing it, where that is exact: a
 LayerNorm's weight and bias, or a preceding linear's output rows and bias (a ReLU
-between them commutes with the positive ``s``). Elsewhere the linear is left as it
-is and reported: an explicit ``X * (1 / s)`` would run in float between the
-producer's quantized output and the linear's, a dequantize/quantize round trip and
-an observer that no backend config placed. Linears reading one input (q/k/v
+or an eval-mode dropout between them commutes with the positive ``s``). Elsewhere
+the linear is left as it is and reported: an explicit ``X * (1 / s)`` would run in
+float between the producer's quantized output and the linear's, a dequantize/quantize
+round trip and an observer that no backend config placed. Linears reading one input (q/k/v
 projections) share one ``s``.
 
 Runs on a prepared model, FX or PT2E, before calibration: only float weights
@@ -82,21 +82,60 @@ def _is_relu(gm: GraphModule, node: Node) -> bool:
     return node.op in ("call_function", "call_method") and node.target in _RELU
 
 
+#: Dropout calls and the positions and defaults of (p, train, inplace): aten's and
+#: torch.dropout(input, p, train), F.dropout(input, p=0.5, training=True, inplace=False).
+_DROPOUT = {
+    aten.dropout.default: (("p", "train"), (None, None)),
+    torch.dropout: (("p", "train"), (None, None)),
+    torch.nn.functional.dropout: (("p", "training", "inplace"), (0.5, True, False)),
+}
+
+
+def _is_eval_dropout(gm: GraphModule, node: Node) -> bool:
+    """A dropout that is the identity: aten's ``dropout(x, p, train=False)`` (what
+    torch.export records for an eval-mode ``nn.Dropout``), a ``nn.Dropout`` module not
+    in training mode, ``F.dropout(x, training=False)``; or any of them with ``p == 0``.
+    In-place ones are not (they write their input)."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        return (
+            isinstance(module, torch.nn.Dropout)
+            and not module.inplace
+            and (not module.training or module.p == 0)
+        )
+    if node.op != "call_function" or node.target not in _DROPOUT:
+        return False
+    names, defaults = _DROPOUT[node.target]
+    values = dict(zip(names, defaults, strict=True))
+    values.update(zip(names, node.args[1:], strict=False))
+    values.update((key, value) for key, value in node.kwargs.items() if key in values)
+    if values.get("inplace"):
+        return False
+    return values[names[1]] is False or values["p"] == 0
+
+
+def _passes_s(gm: GraphModule, node: Node) -> bool:
+    """``node`` commutes with a positive per-channel ``s``: a ReLU, or a dropout that
+    is the identity (eval mode)."""
+    return _is_relu(gm, node) or _is_eval_dropout(gm, node)
+
+
 def _producer(gm: GraphModule, node: Node) -> Node:
-    """The op making ``node``'s value, past observers and ReLUs (which commute with s > 0)."""
+    """The op making ``node``'s value, past observers, ReLUs and eval-mode dropouts
+    (which commute with s > 0)."""
     current = unobserved(gm, node)
-    while isinstance(current, Node) and _is_relu(gm, current):
+    while isinstance(current, Node) and _passes_s(gm, current):
         current = unobserved(gm, current.args[0])
     return current
 
 
 def _readers(gm: GraphModule, producer: Node) -> list[Node]:
-    """The ops reading ``producer``'s value, past observers and ReLUs."""
+    """The ops reading ``producer``'s value, past observers, ReLUs and eval-mode dropouts."""
     found, stack = [], [producer]
     while stack:
         node = stack.pop()
         for user in node.users:
-            if is_observer(gm, user) or _is_relu(gm, user):
+            if is_observer(gm, user) or _passes_s(gm, user):
                 stack.append(user)
             else:
                 found.append(user)
