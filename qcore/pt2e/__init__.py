@@ -20,6 +20,7 @@ from qcore.pt2e.canonical import canonicalize
 from qcore.pt2e.convert import convert_pt2e
 from qcore.pt2e.graph import AnnotationError
 from qcore.pt2e.prepare import prepare_pt2e, prepare_qat_pt2e
+from qcore.pt2e.train_eval import move_exported_model_to_eval, move_exported_model_to_train
 
 __all__ = [
     "AnnotationError",
@@ -27,6 +28,8 @@ __all__ = [
     "REASON_KEY",
     "canonicalize",
     "convert_pt2e",
+    "move_exported_model_to_eval",
+    "move_exported_model_to_train",
     "prepare_pt2e",
     "prepare_qat_pt2e",
 ]

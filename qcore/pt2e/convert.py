@@ -50,6 +50,7 @@ from qcore.pt2e.prepare import (
 )
 from qcore.pt2e.qdq import duplicate_dequantize, fold_quantized_constants, replace_observer
 from qcore.pt2e.reference import UNFUSED_ADD_KEY, to_reference_modules
+from qcore.pt2e.train_eval import move_exported_model_to_eval
 
 __all__ = ["convert_pt2e"]
 
@@ -126,20 +127,9 @@ def _is_static(observer: Any) -> bool:
 
 
 def _to_eval(gm: GraphModule) -> None:
-    """Batch norms and dropouts exported in training mode (QAT) switch to eval. A
-    batch norm without running statistics (``F.batch_norm(w, None, None,
-    training=True)``: BiT's weight standardization) normalizes by its input's own
-    statistics in every mode: it stays as it is."""
-    for node in gm.graph.nodes:
-        if (
-            packet(node) is aten.batch_norm
-            and len(node.args) > 5
-            and node.args[5]
-            and node.args[3] is not None
-        ):
-            node.args = (*node.args[:5], False, *node.args[6:])
-        elif packet(node) is aten.dropout and len(node.args) > 2 and node.args[2]:
-            node.args = (*node.args[:2], False, *node.args[3:])
+    """Batch norms and dropouts exported in training mode (QAT) switch to eval
+    (attention's dropout and the feature and alpha dropouts too)."""
+    move_exported_model_to_eval(gm)
     for node in list(gm.graph.nodes):
         # a training batch norm's count of batches: in eval it would count every call
         if _counts_batches(node) and not node.users:

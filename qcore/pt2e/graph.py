@@ -73,8 +73,8 @@ def as_exported_module(model: Any, *, require_export: bool = True) -> GraphModul
 _TRAIN_EVAL_HINT = (
     "is not supported on a model from torch.export: it would not switch the batch norms "
     "and dropouts the graph runs (their mode is part of the graph). qcore.convert_pt2e "
-    "switches them to eval; torchao.quantization.pt2e.move_exported_model_to_eval "
-    "(or allow_exported_model_train_eval) switches them by hand"
+    "switches them to eval; qcore.pt2e.move_exported_model_to_eval and "
+    "move_exported_model_to_train switch them by hand"
 )
 
 
