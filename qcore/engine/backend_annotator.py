@@ -31,6 +31,7 @@ from qcore.engine.float_islands import (
 )
 from qcore.engine.match import Match, find_matches, is_match_all, node_op
 from qcore.engine.qconfigs import pattern_qconfig
+from qcore.engine.reference import observed_qparams
 from qcore.observers import (
     FakeQuantize,
     MinMaxObserver,
@@ -633,7 +634,7 @@ class ScaledQParams:
     quant_max: int
 
     def __call__(self, observers: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        scale, zero_point = observers[0].calculate_qparams()
+        scale, zero_point = observed_qparams(observers[0])
         scale = scale * abs(self.factor)
         if self.factor < 0:  # the integer grid flips around the dtype's range
             zero_point = self.quant_min + self.quant_max - zero_point
@@ -655,7 +656,7 @@ class ShiftedQParams:
     quant_max: int
 
     def __call__(self, observers: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        scale, zero_point = observers[0].calculate_qparams()
+        scale, zero_point = observed_qparams(observers[0])
         quant_min, quant_max = self.quant_min, self.quant_max
         shifted = zero_point - torch.round(self.offset / scale)
         span = quant_max - quant_min

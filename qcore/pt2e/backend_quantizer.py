@@ -28,6 +28,7 @@ from qcore.config.errors import describe
 from qcore.engine.backend_annotator import is_quantized_dtype
 from qcore.engine.float_islands import float_input_reason, fused_only_ops
 from qcore.engine.kept_float import kept_float
+from qcore.engine.reference import observed_qparams
 from qcore.pt2e.canonical import canonicalize
 from qcore.pt2e.graph import carries_values, is_tensor_node
 from qcore.pt2e.patterns import WEIGHTED, aten_ops, aten_pattern, match_aten, packet, pattern_size
@@ -128,8 +129,8 @@ class _Specs:
 
 
 def _product_of_scales(observers: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    act_scale, _ = observers[0].calculate_qparams()
-    weight_scale, _ = observers[1].calculate_qparams()
+    act_scale, _ = observed_qparams(observers[0])
+    weight_scale, _ = observed_qparams(observers[1])
     scale = (act_scale * weight_scale).to(torch.float32)
     return scale, torch.zeros_like(scale, dtype=torch.int32)
 

@@ -36,6 +36,7 @@ from qcore import ops
 from qcore.engine.backend_annotator import is_quantized_dtype
 from qcore.engine.constants import Constants
 from qcore.engine.observe import DerivedObserver
+from qcore.engine.reference import observed_qparams
 
 __all__ = [
     "DEQUANTIZE_OPS",
@@ -112,7 +113,7 @@ def _buffer(gm: GraphModule, hint: str, value: torch.Tensor) -> Node:
 def _qparams(gm: GraphModule, observer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(observer, DerivedObserver):
         return observer.derive(gm)
-    return observer.calculate_qparams()
+    return observed_qparams(observer)
 
 
 def _convertible(observer: Any) -> bool:
