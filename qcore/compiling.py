@@ -30,6 +30,7 @@ from torch.fx import GraphModule
 
 from qcore.config.errors import describe
 from qcore.engine.concat_linears import concat_sibling_linears
+from qcore.engine.constants import attribute, written_buffers
 from qcore.engine.explain import _REPORT_ATTRIBUTE, report_of
 from qcore.plugin import CompileRecipe, UnknownBackendError, get_backend
 from qcore.plugin.recipes import check_compile_mode
@@ -59,6 +60,7 @@ class CompiledModel(torch.nn.Module):
         object.__setattr__(self, "_compiled", compiled)
         # signature -> the inputs (positions, keyword names) the compiled graph writes into
         object.__setattr__(self, "_compiled_for", {})
+        object.__setattr__(self, "_written", sorted(written_buffers(reference)))
         report = report_of(reference)
         if report is not None:
             object.__setattr__(self, _REPORT_ATTRIBUTE, report)
@@ -91,6 +93,7 @@ class CompiledModel(torch.nn.Module):
         # Inputs it writes are copied on every later call, so the caller's are not.
         every_tensor = _tensor_keys(args, kwargs)
         copies = _copied(every_tensor, args, kwargs)
+        state_before = self._state()
         with self._inductor_options(), grad, warnings.catch_warnings():
             # Inductor's oneDNN lowering copies a tensor with torch.tensor() while it
             # compiles (torch 2.13): torch's own, at compile time, nothing to act on.
@@ -98,8 +101,29 @@ class CompiledModel(torch.nn.Module):
                 "ignore", "To copy construct from a tensor", UserWarning, "torch._inductor"
             )
             outputs = self._compiled(*copies[0], **copies[1])
+        # Checked once per compiled signature, not on every call (the recipe may turn
+        # the compiler's own per-call checks off: x86's Inductor size asserts cost 5%
+        # of a conv net's latency): a graph lowered wrongly gives garbage, not noise.
+        # The reference runs from the state the compiled call started from (buffers
+        # the forward writes), which is then set back to the compiled call's result.
+        state_after = self._state()
+        fresh_args, fresh_kwargs = _copied(every_tensor, args, kwargs)
+        self._restore(state_before)
+        with torch.no_grad():
+            expected = self.reference(*fresh_args, **fresh_kwargs)
+        self._restore(state_after)
+        _check_agreement(outputs, expected, self.recipe)
         self._compiled_for[signature] = _written(every_tensor, (args, kwargs), copies, outputs)
         return outputs
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        """Copies of the buffers the reference form's forward writes."""
+        return {name: attribute(self.reference, name).clone() for name in self._written}
+
+    def _restore(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, value in state.items():
+                attribute(self.reference, name).copy_(value)
 
     def _inductor_options(self) -> AbstractContextManager:
         if self.recipe.compiler != "inductor" or not self.recipe.options:
@@ -108,6 +132,52 @@ class CompiledModel(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}, recipe={self.recipe.describe()}"
+
+
+#: Below this SQNR (dB) against the reference form, a compiled output is not int8
+#: rounding (30-50 dB on the zoo's models) but a graph the compiler got wrong.
+AGREEMENT_DB = 10.0
+
+
+def _check_agreement(outputs: Any, expected: Any, recipe: CompileRecipe) -> None:
+    """A RuntimeError naming the output where the compiled model's first call
+    disagrees with the reference form's: another structure, shape or dtype,
+    non-finite values where the reference has finite ones, or an SQNR below
+    AGREEMENT_DB."""
+    ours = torch.utils._pytree.tree_leaves(outputs)
+    theirs = torch.utils._pytree.tree_leaves(expected)
+    if len(ours) != len(theirs):
+        problem = f"{len(ours)} outputs where the reference form gives {len(theirs)}"
+    else:
+        found = (_disagreement(got, want) for got, want in zip(ours, theirs, strict=True))
+        problem = next(
+            (f"output {index}: {text}" for index, text in enumerate(found) if text), None
+        )
+    if problem is not None:
+        raise RuntimeError(
+            f"qcore.compile: the compiled model's first call on these inputs disagrees "
+            f"with its reference form ({problem}): {recipe.describe()} lowered the graph "
+            "wrongly. Run the reference form (compiled.reference) or the backend's eager "
+            "kernels (qcore.convert_pt2e / convert_fx of the prepared model) instead, and "
+            "report it with the recipe"
+        )
+
+
+def _disagreement(got: Any, want: Any) -> str | None:
+    if not isinstance(want, torch.Tensor) or not want.is_floating_point():
+        return None
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+        shown = (tuple(got.shape), got.dtype) if isinstance(got, torch.Tensor) else type(got)
+        return f"{shown} where the reference form gives {(tuple(want.shape), want.dtype)}"
+    finite = torch.isfinite(want)
+    if not torch.equal(torch.isfinite(got), finite):
+        return "non-finite values where the reference form has finite ones, or the reverse"
+    got, want = got[finite].double(), want[finite].double()
+    noise, signal = (got - want).pow(2).sum(), want.pow(2).sum()
+    if noise > signal * 10 ** (-AGREEMENT_DB / 10):
+        sqnr = 10 * torch.log10(signal / noise).item() if signal > 0 else float("-inf")
+        return f"SQNR {sqnr:.1f} dB against it, below {AGREEMENT_DB:g}"
+    return None
 
 
 def _tensor_keys(args: tuple, kwargs: dict) -> frozenset:

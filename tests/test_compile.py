@@ -10,6 +10,7 @@ model.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -422,7 +423,7 @@ def test_reduce_overhead_runs_the_same_kernels_from_inductors_cpp_wrapper():
     default = qcore.compile(prepared)(x)
     counters.clear()
     fast = qcore.compile(prepared, mode="reduce-overhead")
-    assert fast.recipe.options == {"freezing": True, "cpp_wrapper": True}
+    assert fast.recipe.options == {"freezing": True, "cpp_wrapper": True, "size_asserts": False}
     assert "C++ wrapper" in repr(fast)
     compiled = fast(x)
     assert counters["inductor"]["qconv_weight_prepack_matcher_count"] >= 2
@@ -516,3 +517,55 @@ def test_a_padded_conv1d_into_an_add_compiles(backend):
         compiled, expected = fast(*batches[0]), reference(*batches[0])
     step = (expected.max() - expected.min()) / 255
     assert (compiled - expected).abs().max() <= 2 * step
+
+
+def _flipping_compiler(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+    """A torch.compile backend that lowers wrongly: every output reversed."""
+
+    def run(*args: Any) -> Any:
+        outputs = gm(*args)
+        return type(outputs)(o.flip(-1) if isinstance(o, torch.Tensor) else o for o in outputs)
+
+    return run
+
+
+def test_a_compiled_graph_that_disagrees_with_its_reference_form_is_refused():
+    """The first call on each new signature is checked against the reference form,
+    which lets x86's recipe turn Inductor's per-call size asserts off."""
+    if not installed("qnnpack"):
+        pytest.skip("needs the qnnpack plugin")
+    prepared = _prepared("pt2e", "qnnpack")
+    (x,) = _data(1)[0]
+    wrong = qcore.compile(prepared, recipe=qcore.CompileRecipe(_flipping_compiler, summary="flip"))
+    with pytest.raises(RuntimeError, match=r"disagrees with its reference form \(output 0: SQNR"):
+        wrong(x)
+    right = qcore.compile(prepared, recipe=qcore.CompileRecipe("eager", summary="eager"))
+    torch.testing.assert_close(right(x), right.reference(x), rtol=0, atol=0)
+    if installed("x86"):
+        assert qcore.get_backend("x86").compile_recipe("default").options["size_asserts"] is False
+
+
+class CountsItsCalls(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count.add_(1.0)
+        return self.fc(x) * self.count
+
+
+@requires_x86
+def test_the_first_calls_check_leaves_a_written_buffer_as_one_call_leaves_it():
+    torch.manual_seed(0)
+    model = CountsItsCalls().eval()
+    x = torch.randn(2, 4)
+    prepared = qcore.prepare_pt2e(torch.export.export(model, (x,)).module(), "x86")
+    fast = qcore.compile(prepared)
+    (count,) = [b for name, b in fast.reference.named_buffers() if name.endswith("count")]
+    start = count.item()
+    first, second = fast(x), fast(x)
+    # two calls: two increments, though the first also ran the reference form
+    assert count.item() == start + 2
+    torch.testing.assert_close(second, first * (start + 2) / (start + 1), rtol=1e-5, atol=1e-5)

@@ -26,6 +26,7 @@ __all__ = [
     "observe_constants",
     "reached_by_inputs",
     "unobserved",
+    "written_buffers",
 ]
 
 
@@ -97,7 +98,7 @@ def _aliased_sources(node: Node) -> list[Node]:
     return found
 
 
-def _written_buffers(gm: GraphModule) -> set[str]:
+def written_buffers(gm: GraphModule) -> set[str]:
     """get_attr targets an in-place op writes to (never constant: they change at run time)."""
     written = set()
     for node in gm.graph.nodes:
@@ -136,7 +137,7 @@ class Constants:
 
     def __init__(self, gm: GraphModule) -> None:
         self.gm = gm
-        self._written = _written_buffers(gm)
+        self._written = written_buffers(gm)
         self._known: dict[Node, bool] = {}
 
     def __contains__(self, node: Any) -> bool:
@@ -178,7 +179,7 @@ def reached_by_inputs(gm: GraphModule, is_tensor: Any) -> set[Node]:
     buffer the forward writes into counts as reached (it holds what was written).
     ``is_tensor(node)`` says whether a node's value is a tensor.
     """
-    written = _written_buffers(gm)
+    written = written_buffers(gm)
     reached: set[Node] = set()
     for node in gm.graph.nodes:
         if node.op == "placeholder" or node.op == "get_attr" and node.target in written:
