@@ -96,3 +96,26 @@ def test_pt2e_convert_reads_the_scale_torchaos_qat_config_trained_with():
     with torch.no_grad():
         trained, converted = prepared(batches[5]), reference(batches[5])
     assert _sqnr(trained, converted) > 80, _sqnr(trained, converted)
+
+
+@requires_qnnpack
+def test_a_fake_quant_calibrated_with_fake_quantization_off_gives_its_observers_qparams():
+    """The fused fake quant writes its buffers only while it fake-quantizes: one used
+    as an observer (disable_fake_quant, calibrate, convert) still has scale 1."""
+    import torch.ao.quantization as tq
+
+    torch.manual_seed(0)
+    batches = _batches()
+    model = ConvLinear().eval()
+    mapping = tq.get_default_qat_qconfig_mapping("qnnpack")
+    prepared = qcore.prepare_qat_fx(
+        copy.deepcopy(model).train(), mapping, (batches[0],), backend="qnnpack"
+    )
+    prepared.apply(tq.disable_fake_quant)
+    with torch.no_grad():
+        for x in batches[:5]:
+            prepared(x)
+    assert prepared.conv.weight_fake_quant.scale.item() == 1.0  # never written
+    reference = qcore.convert_to_reference_fx(prepared.eval())
+    with torch.no_grad():
+        assert _sqnr(model(batches[5]), reference(batches[5])) > 30

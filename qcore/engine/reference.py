@@ -97,19 +97,23 @@ def qparams_of(observer: Any, *, full_range: bool = False) -> QParams:
 
 
 def observed_qparams(observer: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scale, zero_point)`` of an observer; of a fake quant that has observed, the
-    ones its forward applied: its ``scale`` and ``zero_point`` buffers, what training
-    (and the prepared model in eval) computed with. torch's
+    """``(scale, zero_point)`` of an observer; of a fake quant that fake-quantizes and
+    has observed, the ones its forward applies: its ``scale`` and ``zero_point``
+    buffers, what training (and the prepared model in eval) computed with. torch's
     ``FusedMovingAvgObsFakeQuantize`` (torch.ao's default QAT weights) computes them
     inside its fused kernel, up to 0.4% off its own ``calculate_qparams()``: one
     trained weight in five landed on another integer at convert (torch.ao's convert
-    too). For the other fake quants the two are the same."""
+    too). It writes them only while fake quantization is on, so a fake quant switched
+    off (calibrated as an observer) gives ``calculate_qparams()``. For the other fake
+    quants the two are the same."""
     scale = getattr(observer, "scale", None)
     zero_point = getattr(observer, "zero_point", None)
+    enabled = getattr(observer, "fake_quant_enabled", None)
     if (
         isinstance(scale, torch.Tensor)
         and isinstance(zero_point, torch.Tensor)
-        and hasattr(observer, "fake_quant_enabled")
+        and isinstance(enabled, torch.Tensor)
+        and bool(enabled.reshape(-1)[0])
         and _has_observed(getattr(observer, "activation_post_process", None))
     ):
         zero_point = zero_point.detach()
