@@ -88,18 +88,19 @@ def test_q_k_v_become_one_int8_gemm_with_the_same_numbers():
     counters.clear()
     fast = qcore.compile(prepared)
     assert fast.recipe.concat_linears
-    assert _linears(fast.reference) == 2  # q, k, v as one; out
+    assert _linears(fast.compiled_form) == 2  # q, k, v as one; out
+    assert _linears(fast.reference) == 4  # the form the first call is checked against
     (x,) = _batches((2, 8, 32), 1)[0]
     x = x * 1.1
     with torch.no_grad():
-        expected, merged, compiled = unmerged(x), fast.reference(x), fast(x)
+        expected, merged, compiled = unmerged(x), fast.compiled_form(x), fast(x)
     torch.testing.assert_close(merged, expected, rtol=0, atol=1e-6)
     # Inductor took the merged linear to oneDNN's int8 GEMM: two of them, not four
     assert counters["inductor"]["qlinear_weight_prepack_matcher_count"] == 2
     assert (compiled - expected).abs().max().item() <= 0.02 * expected.abs().max().item()
-    # the weights it replaced are gone from the module, not held twice
-    names = {name for name, _ in fast.reference.named_buffers()}
-    names |= {name for name, _ in fast.reference.named_parameters()}
+    # the compiled form holds the merged weights, not those it replaced too
+    names = {name for name, _ in fast.compiled_form.named_buffers()}
+    names |= {name for name, _ in fast.compiled_form.named_parameters()}
     assert not any(name.startswith(("q.", "k.", "v.")) for name in names), names
 
 
@@ -155,3 +156,34 @@ def test_linears_with_quantized_outputs_stay_apart():
     reference = _reference_form(prepared, "fx")
     assert _linears(reference) == 3
     assert concat_sibling_linears(reference) == 0
+
+
+class OtherViews(torch.nn.Module):
+    """Views of q a slice cannot stand in for: split, as_strided, diagonal."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.q, self.k = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        q, k = self.q(h), self.k(h)
+        batch, tokens, dim = q.shape
+        diagonal = q.view(batch, tokens * dim).diagonal()
+        first, second = q.split(tokens // 2, dim=1)
+        strided = torch.as_strided(q, (batch, tokens * dim), (tokens * dim, 1))
+        halves = first.view(batch, -1) + second.view(batch, -1)
+        return strided + k.reshape(batch, -1) + halves.repeat(1, 2) + diagonal.sum()
+
+
+@requires_x86
+def test_other_views_of_an_output_keep_its_linear_apart():
+    batches = _batches((2, 4, 8))
+    reference = qcore.convert_pt2e(_calibrated(OtherViews(), batches), lower=False)
+    (x,) = batches[0]
+    with torch.no_grad():
+        expected = reference(x)
+    assert concat_sibling_linears(reference) == 0
+    with torch.no_grad():
+        torch.testing.assert_close(reference(x), expected, rtol=0, atol=0)

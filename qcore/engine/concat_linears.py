@@ -31,19 +31,16 @@ _aten = torch.ops.aten
 _INPUT_DEQUANTIZE = _qd.dequantize_per_tensor.default
 _WEIGHT_DEQUANTIZE = _qd.dequantize_per_channel.default
 _VIEWS = {_aten.view.default, _aten._unsafe_view.default}
+# The views an attention block applies to its projections, followed to their
+# readers; any other view of a slice (expand, select, split, diagonal, as_strided)
+# leaves the group apart: Inductor and eager code compute some of them from strides
+# made for the unmerged output.
 _VIEW_LIKE = _VIEWS | {
     _aten.reshape.default,
     _aten.transpose.int,
     _aten.permute.default,
-    _aten.unsqueeze.default,
-    _aten.squeeze.dim,
-    _aten.squeeze.dims,
-    _aten.expand.default,
     _aten.unflatten.int,
-    _aten.select.int,
-    _aten.slice.Tensor,
     _aten.t.default,
-    _aten.alias.default,
 }
 
 
@@ -152,6 +149,10 @@ def _slices_are_safe(linear: Node) -> bool:
             return False
         if user.target in _VIEW_LIKE:
             stack.extend(user.users)
+        elif any(result.alias_info is not None for result in schema.returns):
+            # a view this walk does not follow (split, unbind, diagonal, as_strided:
+            # strides computed for the unmerged output, or writes through it)
+            return False
     return True
 
 
