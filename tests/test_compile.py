@@ -569,3 +569,40 @@ def test_the_first_calls_check_leaves_a_written_buffer_as_one_call_leaves_it():
     # two calls: two increments, though the first also ran the reference form
     assert count.item() == start + 2
     torch.testing.assert_close(second, first * (start + 2) / (start + 1), rtol=1e-5, atol=1e-5)
+
+
+class NormalizedAndItsMean(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.nn.functional.layer_norm(self.fc(x), (8,))
+        return y, y.mean(-1)  # about 0: rounding is all there is of it
+
+
+class Samples(torch.nn.Module):  # a VAE's sampling step
+    def __init__(self) -> None:
+        super().__init__()
+        self.mu, self.log_var = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mu(x) + torch.randn_like(x) * torch.exp(0.5 * self.log_var(x))
+
+
+@requires_x86
+def test_the_first_calls_check_raises_no_false_alarm():
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    for model in (NormalizedAndItsMean(), Samples()):
+        exported = torch.export.export(model.eval(), (x,)).module()
+        prepared = qcore.prepare_pt2e(exported, "x86")
+        prepared(x)
+        fast = qcore.compile(prepared)
+        torch.manual_seed(5)
+        fast(x)  # compiles and checks (a random model: not compared)
+        after_first = torch.random.get_rng_state()
+        torch.manual_seed(5)
+        fast(x)
+        # the check drew no random numbers of the caller's
+        assert torch.equal(after_first, torch.random.get_rng_state())
