@@ -12,10 +12,14 @@ weight-only int8 linears; the static int8 graph is left to the reference form.
 
 A merged linear's output is wider, so its slices are strided; a ``view`` of one
 may then be impossible where it was possible before (merging the token dimension
-with the features). Every ``view`` the slices reach through other view-like ops
-becomes a ``reshape``: the same values, a copy only where a view cannot be made.
-Linears whose output is quantized again (the compiler fuses that into its GEMM),
-written in place, or returned from the graph are left alone.
+with the features). Every ``view`` the slices reach through the views attention
+applies (reshape, transpose, permute, unflatten) becomes a ``reshape``: the same
+values, a copy only where a view cannot be made. Linears whose output is quantized
+again (the compiler fuses that into its GEMM), written in place, returned from the
+graph, or read through any other view (split, as_strided, diagonal, expand: some
+compute from strides made for the unmerged output) are left alone.
+``qcore.compile`` merges a twin of the reference form and checks the compiled
+model's first call against the unmerged one.
 """
 
 from __future__ import annotations
