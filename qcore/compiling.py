@@ -32,10 +32,11 @@ from torch.fx import GraphModule
 
 from qcore.config.errors import describe
 from qcore.engine.concat_linears import concat_sibling_linears
-from qcore.engine.constants import attribute, written_buffers
+from qcore.engine.constants import RANDOM_WORDS, attribute, written_buffers
 from qcore.engine.explain import _REPORT_ATTRIBUTE, report_of
 from qcore.plugin import CompileRecipe, UnknownBackendError, get_backend
 from qcore.plugin.recipes import check_compile_mode
+from qcore.pt2e.train_eval import draws_dropout
 
 __all__ = ["CompiledModel", "compile"]
 
@@ -221,21 +222,12 @@ def _draws_random_numbers(gm: GraphModule) -> bool:
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
+        if draws_dropout(node):
+            return True
         name = str(node.target)
-        if "dropout" in name:
-            train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-            p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-            if train and p:
-                return True
-        elif "scaled_dot_product" in name:
-            if node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0):
-                return True
-        elif any(word in name for word in _RANDOM_WORDS):
+        if "dropout" not in name and any(word in name for word in RANDOM_WORDS):
             return True
     return False
-
-
-_RANDOM_WORDS = ("rand", "bernoulli", "normal", "multinomial", "uniform", "exponential_")
 
 
 def _tensor_keys(args: tuple, kwargs: dict) -> frozenset:

@@ -28,6 +28,8 @@ import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed)
 from torch.fx import GraphModule, Node
 
+from qcore.engine.constants import attribute
+
 __all__ = ["concat_sibling_linears"]
 
 _qd = torch.ops.quantized_decomposed
@@ -114,9 +116,7 @@ def _member(gm: GraphModule, dequantize: Node) -> _Member | None:
 def _constant(gm: GraphModule, node: object) -> torch.Tensor | None:
     if not isinstance(node, Node) or node.op != "get_attr":
         return None
-    value = gm
-    for part in node.target.split("."):
-        value = getattr(value, part, None)
+    value = attribute(gm, node.target)
     return value.detach() if isinstance(value, torch.Tensor) else None
 
 

@@ -21,6 +21,7 @@ from torch.fx import GraphModule, Node
 from qcore.engine.observe import OBSERVER_PREFIX
 
 __all__ = [
+    "RANDOM_WORDS",
     "Constants",
     "attribute",
     "observe_constants",
@@ -51,7 +52,7 @@ def observe_constants(gm: GraphModule) -> None:
 
 
 #: Ops that draw random numbers never compute a constant (whatever their inputs).
-_RANDOM_WORDS = ("rand", "bernoulli", "dropout", "normal", "multinomial", "uniform")
+RANDOM_WORDS = ("rand", "bernoulli", "dropout", "normal", "multinomial", "uniform", "exponential")
 
 
 def _name(node: Node) -> str:
@@ -114,7 +115,7 @@ def _pure(node: Node) -> bool:
         return False
     if node.op == "call_function" and node.is_impure():
         return False
-    return not any(word in _name(node) for word in _RANDOM_WORDS)
+    return not any(word in _name(node) for word in RANDOM_WORDS)
 
 
 def attribute(gm: GraphModule, target: str) -> Any:

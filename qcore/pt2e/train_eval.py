@@ -26,7 +26,7 @@ from torch.fx import GraphModule, Node
 from qcore.config.errors import describe
 from qcore.pt2e.patterns import packet
 
-__all__ = ["move_exported_model_to_eval", "move_exported_model_to_train"]
+__all__ = ["draws_dropout", "move_exported_model_to_eval", "move_exported_model_to_train"]
 
 aten = torch.ops.aten
 
@@ -57,6 +57,25 @@ def move_exported_model_to_train(model: GraphModule) -> GraphModule:
     with in training."""
     _switch(_graph_module(model), training=True)
     return model
+
+
+def draws_dropout(node: Node) -> bool:
+    """Whether ``node`` is a dropout (of any kind, attention's too) that draws
+    random numbers: in training mode with a probability above 0."""
+    op = packet(node)
+    if op in _DROPOUTS:
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return bool(train and p)
+    if op is aten.scaled_dot_product_attention:
+        return bool(_attention_p(node))
+    return False
+
+
+def _attention_p(node: Node) -> float:
+    if len(node.args) > _SDPA_DROPOUT:
+        return node.args[_SDPA_DROPOUT]
+    return node.kwargs.get("dropout_p", 0.0)
 
 
 def _graph_module(model: object) -> GraphModule:
@@ -95,7 +114,7 @@ def _set_batch_norm(node: Node, training: bool) -> bool:
 
 def _set_attention_dropout(node: Node, training: bool) -> bool:
     in_args = len(node.args) > _SDPA_DROPOUT
-    p = node.args[_SDPA_DROPOUT] if in_args else node.kwargs.get("dropout_p", 0.0)
+    p = _attention_p(node)
     if training:
         wanted = node.meta.pop(_TRAINING_P_KEY, p)
     else:
