@@ -520,6 +520,28 @@ class _Lowering:
             self.quantized[key] = new
         return self.quantized[key]
 
+    def round_trips_in_torch(self) -> None:
+        """A quantize -> dequantize pair left for a float op (one kept in reference form,
+        or a float value a kernel never reads) runs as ``torch.quantize_per_tensor`` and
+        ``.dequantize()``: the same numbers (``qcore.ops`` follows torch's kernels bit
+        for bit) in two fused passes over the tensor, where ``qcore.ops`` takes seven
+        (its float64 multiply-add, round, clamp, casts). Constants' integers, other
+        bit widths and dequantizes to another dtype than float32 stay as they are."""
+        for node in list(self.graph.nodes):
+            if not _is_call(node, ops.dequantize_per_tensor) or node.kwargs or len(node.args) > 6:
+                continue
+            if not _is_call(node.args[0], ops.quantize_per_tensor):
+                continue  # a folded constant's integers: no quantize at run time
+            try:
+                quantized = self._as_quantized(node)
+            except _Refused:
+                continue
+            with self.graph.inserting_after(quantized):
+                dequantized = self.graph.call_method("dequantize", (quantized,))
+            self.inserted.add(dequantized)
+            node.replace_all_uses_with(dequantized)
+            self.graph.erase_node(node)
+
     def _qparams_attrs(self, hint: str, qparams: ActivationQParams) -> tuple[Node, Node]:
         """get_attr nodes of new buffers holding ``qparams``: in the state_dict, like
         torch.ao's, so a loaded state_dict brings its calibration along."""
@@ -602,6 +624,7 @@ def lower(
     quiet_quantized_tensors()
     lowering = _Lowering(gm, kernels, backend, observed_ranges)
     lowering.run()
+    lowering.round_trips_in_torch()
     if lowering.faulty:
         warnings.warn(
             f"{len(lowering.faulty)} op(s) left in reference form because a kernel qcore "
