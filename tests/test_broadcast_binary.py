@@ -56,3 +56,25 @@ def test_a_broadcast_add_and_mul_print_nothing_and_agree_with_the_reference(
                 assert sqnr(exact, value) >= sqnr(exact, wanted) - 0.5, (order, backend)
                 assert torch.equal(value, script_value)
     assert "resized" not in capfd.readouterr().err
+
+
+def test_the_kernels_broadcast_shape_is_torchs():
+    """The kernel computes the broadcast shape in plain Python (torch.broadcast_shapes
+    cost ~100 us a call): the same shape, or an error, on every pair of small shapes."""
+    from qcore.kernels.binary import _broadcast_shape
+
+    sizes = [[]] + [[s] for s in (1, 2, 3)]
+    shapes = [[]]
+    for _ in range(4):
+        shapes += [shape + size for shape in shapes for size in sizes if size]
+        shapes = [list(s) for s in {tuple(s) for s in shapes} if len(s) <= 4]
+    assert len(shapes) > 100
+    for a in shapes:
+        for b in shapes[::7]:
+            try:
+                expected = list(torch.broadcast_shapes(a, b))
+            except RuntimeError:
+                with pytest.raises(RuntimeError, match="do not broadcast"):
+                    _broadcast_shape(a, b)
+                continue
+            assert _broadcast_shape(a, b) == expected, (a, b)
