@@ -233,6 +233,36 @@ def _swap_qat_modules(gm: GraphModule, decisions: list[Decision]) -> None:
         setattr(gm.get_submodule(parent_name) if parent_name else gm, attr, qat_module)
 
 
+def _frozen_batch_norms(gm: GraphModule) -> set[str]:
+    """The batch norms a training model holds in eval mode (``model.train(); bn.eval()``,
+    fine-tuning with frozen statistics), by name; none in a model in eval mode."""
+    if not gm.training:
+        return set()
+    return {
+        name
+        for name, module in gm.named_modules(remove_duplicate=False)
+        if isinstance(module, _BatchNorm) and not module.training
+    }
+
+
+def _refreeze(gm: GraphModule, frozen: set[str], fused: set[str]) -> None:
+    """QAT prepare trains the whole model; the batch norms the user froze stay frozen,
+    as prepare_fx and convert_fx keep them. A QAT ConvBn holding one gets
+    ``freeze_bn_stats()`` (torch.ao's switch: running statistics, not updated, through
+    any later ``train()``); one left unfused goes back to eval mode."""
+    for name in fused:
+        module = gm.get_submodule(name)
+        if hasattr(module, "freeze_bn_stats"):
+            module.freeze_bn_stats()
+        else:  # a fused module without the switch: its batch norms as the user set them
+            for part in module.modules():
+                if isinstance(part, _BatchNorm):
+                    part.eval()
+    for name, module in gm.named_modules(remove_duplicate=False):
+        if name in frozen and isinstance(module, _BatchNorm):
+            module.eval()
+
+
 @observer_facts_reused()
 @collector_paused()
 def prepare(
@@ -251,6 +281,8 @@ def prepare(
     """``prepare_standalone(module, settings, qconfig)`` prepares a standalone submodule
     (needed when ``custom_config`` names any)."""
     gm = trace(model, custom_config, example_inputs)
+    frozen = _frozen_batch_norms(gm) if is_qat else set()
+    frozen_fused: set[str] = set()
     if is_qat:
         gm.train()
     modules = dict(gm.named_modules(remove_duplicate=False))
@@ -258,12 +290,13 @@ def prepare(
     qconfigs = assign_qconfigs(nodes, modules, qconfig_mapping, type(model))
     _warn_unmatched(unmatched_names(model, qconfig_mapping))
     notes: dict[Node, str] = {}
-    fuse_graph(
-        gm,
-        backend_config,
-        is_qat,
-        lambda new, old: _fused_qconfig(gm, modules, new, old, qconfigs, notes),
-    )
+
+    def on_fused(new: Node, old: list[Node]) -> None:
+        _fused_qconfig(gm, modules, new, old, qconfigs, notes)
+        if any(node.op == "call_module" and node.target in frozen for node in old):
+            frozen_fused.add(str(new.target))
+
+    fuse_graph(gm, backend_config, is_qat, on_fused)
     custom_calls = swap_observed(gm, qconfigs, custom_config)
     modules = dict(gm.named_modules(remove_duplicate=False))
     nodes = list(gm.graph.nodes)
@@ -286,6 +319,7 @@ def prepare(
     _attach_qconfigs(gm, qconfigs)
     if is_qat:
         _swap_qat_modules(gm, decisions)
+        _refreeze(gm, frozen, frozen_fused)
     plan = insert_observers(gm, annotations, make_fixed, recompile=False)  # renaming does
     for node in gm.graph.nodes:
         if node.name not in entries:  # the observers just inserted
