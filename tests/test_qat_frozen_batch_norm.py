@@ -97,3 +97,32 @@ def test_qat_keeps_frozen_batch_norms_frozen(backend):
         converted = qcore.convert_fx(prepared)
         expected = model.eval()(x)
         assert sqnr(expected, converted(x)) > 27
+
+
+class WithDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = nn.Linear(16, 32), nn.Dropout(0.5), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(F.relu(self.fc1(x))))
+
+
+@pytest.mark.parametrize("backend", backend_params(("fbgemm", "qnnpack", "x86")))
+def test_qat_keeps_a_dropout_switched_off_off(backend):
+    """``model.train(); model.drop.eval()``: torch.ao's prepared model trains without
+    dropping (it keeps each module's mode); qcore's dropped half the activations."""
+    torch.manual_seed(0)
+    model = WithDropout().train()
+    model.drop.eval()
+    x = torch.randn(8, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = qcore.prepare_qat_fx(
+            model, get_default_qat_qconfig_mapping(backend), (x,), backend
+        )
+    for _ in range(3):
+        prepared(x)  # observers see the activations' ranges
+    prepared.apply(torch.ao.quantization.disable_observer)
+    assert prepared.training and not prepared.drop.training
+    torch.testing.assert_close(prepared(x), prepared(x), rtol=0, atol=0)
