@@ -105,6 +105,20 @@ def _same_shape(extra: Any, output: Node) -> bool:
     return None in shapes or shapes[0] == shapes[1]
 
 
+def _cannot_fold(parts: Any, is_qat: bool) -> bool:
+    """Whether a match holds a BatchNorm that no fusion can take: one without running
+    statistics normalizes every batch by its own, which no folded weight (nor a QAT
+    ConvBn, which trains against the running ones) computes; one without affine
+    parameters has no weight for a QAT ConvBn to scale by. Such a chain stays unfused,
+    as PT2E leaves it: the conv or linear is quantized alone, the BatchNorm after it
+    is what it is (torch.ao's fusers fail on it: an AssertionError naming running_mean)."""
+    if isinstance(parts, (tuple, list)):
+        return any(_cannot_fold(part, is_qat) for part in parts)
+    if not isinstance(parts, torch.nn.modules.batchnorm._BatchNorm):
+        return False
+    return not parts.track_running_stats or (is_qat and not parts.affine)
+
+
 def _set_module(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
     parent_name, _, attr = name.rpartition(".")
     setattr(root.get_submodule(parent_name) if parent_name else root, attr, module)
@@ -150,6 +164,8 @@ def fuse_graph(
         else:
             pattern = match.config.pattern_complex_format
             parts = list(_nested_modules(match.nested, pattern, modules))
+        if _cannot_fold(parts, is_qat):
+            continue
         fuser = match.config.fuser_method
         fused = call_config_hook(match.config, "fuser_method", fuser, is_qat, *parts)
         if not isinstance(fused, torch.nn.Module):

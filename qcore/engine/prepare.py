@@ -233,6 +233,39 @@ def _swap_qat_modules(gm: GraphModule, decisions: list[Decision]) -> None:
         setattr(gm.get_submodule(parent_name) if parent_name else gm, attr, qat_module)
 
 
+def _eval_modules(gm: GraphModule) -> dict[str, torch.nn.Module]:
+    """The modules a training model holds in eval mode, by name: batch norms frozen for
+    fine-tuning (``model.train(); bn.eval()``), dropouts switched off. None in a model
+    in eval mode (QAT prepare trains all of it)."""
+    if not gm.training:
+        return {}
+    return {
+        name: module
+        for name, module in gm.named_modules(remove_duplicate=False)
+        if name and not module.training
+    }
+
+
+def _restore_eval(gm: GraphModule, in_eval: dict[str, torch.nn.Module], fused: set[str]) -> None:
+    """QAT prepare trains the whole model (fusion wants its parts in one mode); what the
+    user set to eval in a training model goes back to eval, as prepare_fx and
+    convert_fx keep each module's mode. A QAT ConvBn holding a frozen batch norm gets
+    ``freeze_bn_stats()`` (torch.ao's switch: running statistics, not updated, through
+    any later ``train()``); a module still where it was (a batch norm left unfused, a
+    dropout) goes back to eval mode. Modules swapped for QAT ones are new, and train."""
+    for name in fused:
+        module = gm.get_submodule(name)
+        if hasattr(module, "freeze_bn_stats"):
+            module.freeze_bn_stats()
+        else:  # a fused module without the switch: its batch norms as the user set them
+            for part in module.modules():
+                if isinstance(part, _BatchNorm):
+                    part.eval()
+    for name, module in gm.named_modules(remove_duplicate=False):
+        if in_eval.get(name) is module:
+            module.eval()
+
+
 @observer_facts_reused()
 @collector_paused()
 def prepare(
@@ -251,6 +284,8 @@ def prepare(
     """``prepare_standalone(module, settings, qconfig)`` prepares a standalone submodule
     (needed when ``custom_config`` names any)."""
     gm = trace(model, custom_config, example_inputs)
+    in_eval = _eval_modules(gm) if is_qat else {}
+    frozen_fused: set[str] = set()
     if is_qat:
         gm.train()
     modules = dict(gm.named_modules(remove_duplicate=False))
@@ -258,12 +293,13 @@ def prepare(
     qconfigs = assign_qconfigs(nodes, modules, qconfig_mapping, type(model))
     _warn_unmatched(unmatched_names(model, qconfig_mapping))
     notes: dict[Node, str] = {}
-    fuse_graph(
-        gm,
-        backend_config,
-        is_qat,
-        lambda new, old: _fused_qconfig(gm, modules, new, old, qconfigs, notes),
-    )
+
+    def on_fused(new: Node, old: list[Node]) -> None:
+        _fused_qconfig(gm, modules, new, old, qconfigs, notes)
+        if any(isinstance(in_eval.get(str(node.target)), _BatchNorm) for node in old):
+            frozen_fused.add(str(new.target))
+
+    fuse_graph(gm, backend_config, is_qat, on_fused)
     custom_calls = swap_observed(gm, qconfigs, custom_config)
     modules = dict(gm.named_modules(remove_duplicate=False))
     nodes = list(gm.graph.nodes)
@@ -286,6 +322,7 @@ def prepare(
     _attach_qconfigs(gm, qconfigs)
     if is_qat:
         _swap_qat_modules(gm, decisions)
+        _restore_eval(gm, in_eval, frozen_fused)
     plan = insert_observers(gm, annotations, make_fixed, recompile=False)  # renaming does
     for node in gm.graph.nodes:
         if node.name not in entries:  # the observers just inserted
