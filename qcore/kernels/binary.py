@@ -49,8 +49,8 @@ def _broadcast_first(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def _broadcast_shape(a: list[int], b: list[int]) -> list[int]:
-    """``torch.broadcast_shapes(a, b)`` in plain Python: torch's takes ~100 us a call
-    (it builds tensors to broadcast), four times a squeeze-excite gate's int8 mul."""
+    """``torch.broadcast_shapes(a, b)`` in plain Python: 1 us where torch's takes 15
+    (asked twice per call, that was three times a squeeze-excite gate's int8 mul)."""
     rank = max(len(a), len(b))
     shape: list[int] = []
     for i in range(rank):
