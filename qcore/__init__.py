@@ -84,6 +84,7 @@ _LAZY = {
     "prepare_pt2e": "qcore.pt2e",
     "prepare_qat_pt2e": "qcore.pt2e",
     "convert_pt2e": "qcore.pt2e",
+    "quantize_pt2e": "qcore.pt2e",
     "Quantizer": "qcore.quantizer",
     "ComposableQuantizer": "qcore.quantizer",
     "QuantizationConfig": "qcore.quantizer",

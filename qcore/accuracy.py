@@ -292,6 +292,8 @@ def keep_float_for_budget(
     candidates: Sequence[str],
     gauge: _Gauge,
     float_with: Mapping[str, Sequence[str]] | None = None,
+    *,
+    mark: Callable[[GraphModule, Mapping[str, str]], GraphModule] = mark_kept_float,
 ) -> GraphModule:
     """The model ``build`` gives with the fewest of ``candidates`` float that meets
     ``gauge``'s budget; explain gives each kept layer both measures.
@@ -309,6 +311,8 @@ def keep_float_for_budget(
     the best model measured.
     ``float_with`` names what ``build`` keeps float along with a candidate (its
     activation: :func:`qcore.keep_float.followers`); explain gives them its reason.
+    ``mark(model, reasons)`` records each kept candidate's reason for explain
+    (:func:`qcore.keep_float.mark_kept_float`; the PT2E path's reads module paths).
 
     Example (``build(names)`` converts with those modules' QConfigs None)::
 
@@ -347,7 +351,7 @@ def keep_float_for_budget(
             break
     else:
         model = _not_met(best[2], best[0], values[best[0]], gauge, len(candidates))
-        return mark_kept_float(
+        return mark(
             model, _with_followers(_not_met_reasons(best[0], values[best[0]], gauge), float_with)
         )
 
@@ -381,7 +385,7 @@ def keep_float_for_budget(
         )
         for name in chosen
     }
-    return mark_kept_float(meeting[chosen], _with_followers(reasons, float_with))
+    return mark(meeting[chosen], _with_followers(reasons, float_with))
 
 
 def _with_followers(
