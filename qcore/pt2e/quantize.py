@@ -92,7 +92,11 @@ def quantize_pt2e(
     backend's), calibrate on ``calibration_data`` (batches read as
     ``qcore.quantize`` reads them, ``input_fn`` too), convert to its kernels.
     ``model`` (``torch.export.export(m, inputs).module()`` or the ExportedProgram)
-    is not modified.
+    is not modified. The quantizer is the one compiled from the backend's
+    BackendConfig, whose QConfigMapping can name modules: where a plugin ships a
+    Quantizer of its own (x86's ``X86Quantizer``, which ``prepare_pt2e(model,
+    "x86")`` uses), this recipe differs from it (on x86: a conv's output before a
+    residual add is quantized here, fused into oneDNN's conv-add there).
 
     ``accuracy_budget`` (``qcore.MinSQNR(db=...)``, a number of dB, or
     ``qcore.MetricBudget``) keeps the fewest conv/linear modules float that bring
