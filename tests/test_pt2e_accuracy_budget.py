@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 import torch
-from backends import backend_params
+from backends import backend_params, installed
 from test_accuracy_budget import Chain
 
 import qcore
@@ -27,6 +27,7 @@ from qcore.pt2e.quantize import module_path, weighted_layer_paths
 pytestmark = pytest.mark.filterwarnings("ignore:.*stay in float:qcore.QCoreWarning")
 
 BACKENDS = backend_params(("x86", "qnnpack"))
+requires_x86 = pytest.mark.skipif(not installed("x86"), reason="needs the x86 plugin")
 LAYERS = ["body.a", "body.b", "body.c", "body.d"]
 
 
@@ -134,12 +135,14 @@ def test_unreachable_budget_warns_and_returns_the_closest(backend: str) -> None:
     assert _sqnr(exported, data, quantized) >= 30.0  # the best found, not the last built
 
 
+@requires_x86
 def test_candidates_are_the_weighted_modules_by_path() -> None:
     exported, data = _exported(("b",))
     prepared = qcore.prepare_pt2e(exported, "x86")
     assert weighted_layer_paths(prepared) == LAYERS
 
 
+@requires_x86
 def test_metric_budget_and_exported_program() -> None:
     model = Nested(("b",)).eval()
     generator = torch.Generator().manual_seed(1)
@@ -156,6 +159,7 @@ def test_metric_budget_and_exported_program() -> None:
     assert error(quantized, data) <= 0.05
 
 
+@requires_x86
 def test_backend_must_be_a_name() -> None:
     exported, data = _exported(())
     quantizer = qcore.pt2e.BackendQuantizer.for_backend("x86")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from backends import backend_params
 from torch import nn
 from torch.ao.quantization import MinMaxObserver, QConfig, default_weight_observer
 
@@ -41,7 +42,7 @@ def _qcore_ops_calls(model: torch.fx.GraphModule) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("backend", ["fbgemm", "x86", "qnnpack"])
+@pytest.mark.parametrize("backend", backend_params())
 @pytest.mark.parametrize("reduce_range", [False, True])
 def test_a_float_ops_round_trip_runs_in_torch_with_the_reference_numbers(backend, reduce_range):
     model = _FloatStemThenGroupNorm().eval()
