@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from qcore.engine.explain import Entry, Status, attach_report, report_of
 from qcore.engine.float_islands import restate_float_inputs
@@ -31,6 +31,7 @@ __all__ = [
     "functional_ops",
     "keep_float_mapping",
     "mark_kept_float",
+    "sole_readers",
     "weighted_layers",
 ]
 
@@ -122,13 +123,8 @@ def followers(
         leader = node.target if node.op == "call_module" else node.name
         if leader not in wanted or node.op not in ("call_module", "call_function"):
             continue
-        current = node
-        while len(current.users) == 1:
-            (user,) = current.users
-            if user.all_input_nodes != [current]:
-                break
+        for user in sole_readers(node):
             if user.name not in reported:  # fused into the layer (a batch norm): go on
-                current = user
                 continue
             if user.name not in quantized:
                 break
@@ -138,8 +134,19 @@ def followers(
                 found[leader].append(user.name)
             else:
                 break
-            current = user
     return {name: tuple(dict.fromkeys(names)) for name, names in found.items()}
+
+
+def sole_readers(node: Node) -> Iterator[Node]:
+    """The nodes after ``node`` that each have one reader, the next, which reads
+    nothing else: an activation only a layer feeds, and the one after it."""
+    current = node
+    while len(current.users) == 1:
+        (user,) = current.users
+        if user.all_input_nodes != [current]:
+            return
+        yield user
+        current = user
 
 
 def keep_float_mapping(

@@ -165,3 +165,38 @@ def test_backend_must_be_a_name() -> None:
     quantizer = qcore.pt2e.BackendQuantizer.for_backend("x86")
     with pytest.raises(TypeError, match="backend: got"):
         qcore.quantize_pt2e(exported, quantizer, data, accuracy_budget=30.0)
+
+
+class _NestedAct(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from test_accuracy_budget import ChainAct
+
+        self.body = ChainAct()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_activation_only_its_layer_feeds_goes_float_with_it(backend: str) -> None:
+    """body.b's Hardswish module is quantized on its own: kept float with body.b, as
+    the FX path keeps it (tests/test_accuracy_budget.py)."""
+    from qcore.pt2e.quantize import activation_followers
+
+    model = _NestedAct().eval()
+    generator = torch.Generator().manual_seed(1)
+    data = [torch.randn(8, 16, generator=generator) for _ in range(4)]
+    exported = torch.export.export(model, (data[0],)).module()
+    prepared = qcore.prepare_pt2e(exported, qcore.pt2e.BackendQuantizer.for_backend(backend))
+    assert activation_followers(prepared, weighted_layer_paths(prepared)) == {
+        "body.b": ("body.act",)
+    }
+    quantized = qcore.quantize_pt2e(exported, backend, data, accuracy_budget=30.0)
+    assert list(_float_linears(quantized)) == ["body.b"]
+    report = qcore.explain(quantized)
+    act = [e for e in report.entries if e.op.endswith("hardswish") and e.status == Status.FLOAT]
+    assert len(act) == 1, str(report)
+    assert act[0].reason.startswith("kept float (accuracy budget): SQNR"), act[0].reason
+    assert "(with body.b)" in act[0].reason and act[0].reason.endswith("(module body.act)")
+    assert _sqnr(exported, data, quantized) >= 30.0

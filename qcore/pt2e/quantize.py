@@ -21,13 +21,14 @@ from torch.fx import GraphModule, Node
 
 from qcore.config.errors import QCoreWarning, describe
 from qcore.engine.explain import Status, report_of
+from qcore.keep_float import sole_readers
 from qcore.pt2e.backend_quantizer import BackendQuantizer
 from qcore.pt2e.convert import convert_pt2e
 from qcore.pt2e.graph import as_exported_module
 from qcore.pt2e.patterns import WEIGHTED, packet
 from qcore.pt2e.prepare import prepare_pt2e
 
-__all__ = ["module_path", "quantize_pt2e", "weighted_layer_paths"]
+__all__ = ["activation_followers", "module_path", "quantize_pt2e", "weighted_layer_paths"]
 
 
 def module_path(node: Node) -> str:
@@ -54,6 +55,37 @@ def weighted_layer_paths(prepared: GraphModule) -> list[str]:
         if packet(node) in WEIGHTED and node.name in quantized
     ]
     return list(dict.fromkeys(path for path in paths if path))
+
+
+def activation_followers(prepared: GraphModule, paths: list[str]) -> dict[str, tuple[str, ...]]:
+    """For each candidate path, the activation modules only its conv/linear feeds and
+    that read nothing else (a Hardswish or ReLU module after it), in a chain up to the
+    next layer: each a module of its own, so ``set_module_name`` keeps just it float.
+    Keeping a layer float while its activation still quantizes would leave the
+    rounding where it was (:func:`qcore.keep_float.followers` on the FX path)."""
+    report = report_of(prepared)
+    if report is None:
+        return {}
+    quantized = {e.node for e in report.ops if e.status in (Status.QUANTIZED, Status.REFERENCE)}
+    wanted = set(paths)
+    nodes_at: dict[str, list[Node]] = {}
+    for node in prepared.graph.nodes:
+        if node.op == "call_function":
+            nodes_at.setdefault(module_path(node), []).append(node)
+    found: dict[str, list[str]] = {}
+    for node in prepared.graph.nodes:
+        leader = module_path(node)
+        if packet(node) not in WEIGHTED or leader not in wanted or node.name not in quantized:
+            continue
+        for user in sole_readers(node):
+            if user.op == "call_module":  # the observer between them: go on
+                continue
+            path = module_path(user)
+            alone = [n.name for n in nodes_at.get(path, [])] == [user.name]
+            if user.name not in quantized or path in wanted or not path or not alone:
+                break
+            found.setdefault(leader, []).append(path)
+    return {path: tuple(dict.fromkeys(names)) for path, names in found.items()}
 
 
 def _mark_paths(model: GraphModule, reasons: Mapping[str, str]) -> GraphModule:
@@ -147,13 +179,14 @@ def quantize_pt2e(
     if budget is None:
         return converted
     candidates = weighted_layer_paths(prepared)
+    float_with = activation_followers(prepared, candidates)
     del prepared
 
     def build_keeping_float(paths: frozenset[str]) -> GraphModule:
         if not paths:
             return converted
         mapping = as_qconfig_mapping(base).copy()
-        for path in sorted(paths):
+        for path in sorted({*paths, *(f for p in paths for f in float_with.get(p, ()))}):
             mapping.set_module_name(path, None)
         # the first conversion already said what stays float
         with warnings.catch_warnings():
@@ -161,4 +194,6 @@ def quantize_pt2e(
             return convert_pt2e(build(mapping))
 
     gauge = accuracy.gauge_for(budget, float_model, calibration_data, input_fn)
-    return accuracy.keep_float_for_budget(build_keeping_float, candidates, gauge, mark=_mark_paths)
+    return accuracy.keep_float_for_budget(
+        build_keeping_float, candidates, gauge, float_with, mark=_mark_paths
+    )
