@@ -501,7 +501,7 @@ def quantize(
         resolve_algorithms,
         run_stage,
     )
-    from qcore.calibration import calibration_calls, raise_in_batch
+    from qcore.calibration import calibrate, calibration_calls
 
     if not isinstance(keep_float_if_slower, bool):
         raise TypeError(
@@ -524,14 +524,7 @@ def quantize(
         prepared, before = run_stage(
             prepared, steps, BEFORE_CALIBRATION, calibration_data, input_fn
         )
-        with torch.no_grad():
-            for index, (args, kwargs) in enumerate(
-                calibration_calls(model, calibration_data, input_fn)
-            ):
-                try:
-                    prepared(*args, **kwargs)
-                except Exception as error:
-                    raise_in_batch(error, index)
+        calibrate(prepared, calibration_calls(model, calibration_data, input_fn))
         prepared, after = run_stage(prepared, steps, AFTER_CALIBRATION, calibration_data, input_fn)
         converted = convert_fx(prepared)
         if steps:  # each candidate its own: the last one built need not be the one chosen

@@ -25,7 +25,7 @@ import torch
 
 from qcore.config.errors import raise_prefixed
 
-__all__ = ["calibration_calls", "raise_in_batch"]
+__all__ = ["calibrate", "calibration_calls", "raise_in_batch"]
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -148,3 +148,14 @@ def raise_in_batch(error: Exception, index: int) -> NoReturn:
     """Raise ``error``, raised by the model on calibration batch ``index``, saying
     which batch, as calibration_calls' own errors do."""
     raise_prefixed(error, f"calibration batch {index}")
+
+
+def calibrate(prepared: Callable[..., Any], calls: Iterable[tuple[tuple, dict]]) -> None:
+    """Run ``prepared`` on each ``(args, kwargs)`` of ``calls`` (what
+    :func:`calibration_calls` gives) without gradients; an error names its batch."""
+    with torch.no_grad():
+        for index, (args, kwargs) in enumerate(calls):
+            try:
+                prepared(*args, **kwargs)
+            except Exception as error:
+                raise_in_batch(error, index)

@@ -13,7 +13,6 @@ must not be None"; prepare_qat_fx a FusionError), as torch.ao's do, while
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 
 import pytest
@@ -24,12 +23,8 @@ from torch import nn
 from torch.ao.quantization import get_default_qat_qconfig_mapping, get_default_qconfig_mapping
 
 import qcore
+from qcore.accuracy import sqnr
 from qcore.engine.explain import Status
-
-
-def sqnr(reference: torch.Tensor, other: torch.Tensor) -> float:
-    noise = (reference - other).pow(2).sum().item()
-    return math.inf if noise == 0 else 10 * math.log10(reference.pow(2).sum().item() / noise)
 
 
 class ConvBnReLU(nn.Module):

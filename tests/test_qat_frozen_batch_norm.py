@@ -15,7 +15,6 @@ gets torch.ao's ``freeze_bn_stats()``.
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 
 import pytest
@@ -26,11 +25,7 @@ from torch import nn
 from torch.ao.quantization import get_default_qat_qconfig_mapping
 
 import qcore
-
-
-def sqnr(reference: torch.Tensor, other: torch.Tensor) -> float:
-    noise = (reference - other).pow(2).sum().item()
-    return math.inf if noise == 0 else 10 * math.log10(reference.pow(2).sum().item() / noise)
+from qcore.accuracy import sqnr
 
 
 class Net(nn.Module):

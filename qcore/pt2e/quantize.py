@@ -21,7 +21,8 @@ from torch.fx import GraphModule, Node
 
 from qcore.config.errors import QCoreWarning, describe
 from qcore.engine.explain import Status, report_of
-from qcore.keep_float import sole_readers
+from qcore.engine.qconfigs import node_scope
+from qcore.keep_float import mark_kept_float, sole_readers
 from qcore.pt2e.backend_quantizer import BackendQuantizer
 from qcore.pt2e.convert import convert_pt2e
 from qcore.pt2e.graph import as_exported_module
@@ -33,8 +34,7 @@ __all__ = ["activation_followers", "module_path", "quantize_pt2e", "weighted_lay
 
 def module_path(node: Node) -> str:
     """The path of the innermost module whose forward called ``node`` ("" for the root)."""
-    stack = list((node.meta.get("nn_module_stack") or {}).values())
-    return stack[-1][0] if stack else ""
+    return node_scope(node, type(None))[0]
 
 
 def _under(path: str, prefix: str) -> bool:
@@ -92,8 +92,6 @@ def _mark_paths(model: GraphModule, reasons: Mapping[str, str]) -> GraphModule:
     """:func:`qcore.keep_float.mark_kept_float` with each module path in ``reasons``
     read as the float ops of the converted graph that module called; each reason
     names its module (the graph's node names are aten's: ``linear_1``)."""
-    from qcore.keep_float import mark_kept_float
-
     report = report_of(model)
     if report is None or not reasons:
         return model
@@ -146,7 +144,7 @@ def quantize_pt2e(
     """
     from qcore import accuracy
     from qcore.api import default_mapping_for
-    from qcore.calibration import calibration_calls, raise_in_batch
+    from qcore.calibration import calibrate, calibration_calls
     from qcore.config.qconfig import as_qconfig_mapping
 
     if not isinstance(backend, str):
@@ -166,12 +164,7 @@ def quantize_pt2e(
 
     def build(mapping: Any) -> GraphModule:
         prepared = prepare_pt2e(float_model, BackendQuantizer.for_backend(backend, mapping))
-        with torch.no_grad():
-            for index, (args, kwargs) in enumerate(calls):
-                try:
-                    prepared(*args, **kwargs)
-                except Exception as error:
-                    raise_in_batch(error, index)
+        calibrate(prepared, calls)
         return prepared
 
     prepared = build(base)
