@@ -1,9 +1,13 @@
 """QuantizedClamp (relu6, hardtanh, clamp) gives the reference's values under every
 global engine, eager and scripted, on contiguous and channels-last inputs, and
-keeps the input's layout: it clamps a contiguous view of the input's memory,
-because qnnpack's clamp misreads channels-last input. (A faster path that read
-the global engine at run time was tried and withdrawn: it needed a process-wide
-lock on every call, and no kernel reads the global while a model runs.)
+keeps the input's layout. torch's clamp on a channels-last input is exact and
+keeps the layout, except qnnpack's (run while the global engine is qnnpack), which
+reads that memory as if it were contiguous and returns a contiguous tensor. The
+kernel clamps directly and checks its output's layout: a contiguous result means
+qnnpack's clamp ran, and it clamps the input's NHWC view instead (contiguous, so
+exact on every engine). The output never depends on the global, even when another
+thread switches it between the kernel's calls; eager kernels read it only to go
+straight to the NHWC view, scripted ones always take the check.
 """
 
 from __future__ import annotations
@@ -55,3 +59,28 @@ def test_clamp_is_the_reference_under_every_engine(engine):
         assert got.is_contiguous(memory_format=torch.channels_last) == x.is_contiguous(
             memory_format=torch.channels_last
         )  # the next conv gets the layout it wants, no copy
+
+
+@pytest.mark.skipif("qnnpack" not in ENGINES, reason="torch built without qnnpack")
+def test_clamp_is_the_reference_when_the_engine_turns_qnnpack_after_the_kernel_read_it(
+    monkeypatch,
+):
+    """Another thread sets the engine to qnnpack between the kernel's look at the global
+    and torch's clamp: torch's qnnpack clamp runs on the channels-last input, and the
+    kernel sees that from the result and clamps the NHWC view instead."""
+    kernel = QuantizedClamp(-1.0, 2.0, None)
+    monkeypatch.setattr(kernel, "_qnnpack_engine_is_set", lambda: False)
+    checked = 0
+    for x, _ in _inputs():
+        if not x.is_contiguous(memory_format=torch.channels_last) or x.is_contiguous():
+            continue
+        expected = torch.quantize_per_tensor(
+            torch.clamp(x.dequantize(), -1.0, 2.0), x.q_scale(), x.q_zero_point(), x.dtype
+        )
+        with using_engine("qnnpack"):
+            assert not torch.equal(_int(torch.clamp(x, -1.0, 2.0)), _int(expected))
+            got = kernel(x)
+        assert torch.equal(_int(got), _int(expected)), (tuple(x.shape), x.stride())
+        assert got.is_contiguous(memory_format=torch.channels_last)
+        checked += 1
+    assert checked > 10

@@ -44,6 +44,7 @@ _elu = torch.ops.quantized.elu
 _leaky_relu = torch.ops.quantized.leaky_relu
 
 aten = torch.ops.aten
+_QNNPACK = 2  # torch._C._get_qengine()'s number for qnnpack (c10/core/QEngine.h)
 
 
 def lower_relu(match: KernelMatch) -> SameOp:
@@ -58,12 +59,14 @@ class QuantizedClamp(torch.nn.Module):
     torch applies to the int8 values in the input's qparams (exact), then a
     requantization where the output's qparams differ from the input's.
 
-    The clamp runs on the input's memory in its own order (a contiguous view: no
-    copy), on every engine. torch 2.13's qnnpack clamp (what hardtanh, relu6 and
-    clamp run while the global quantized engine is qnnpack) reads a channels-last
-    input as if it were contiguous and scrambles it, and every int8 conv returns
-    channels-last; on a contiguous view both torch's clamps are exact, so the output
-    does not depend on which one the global engine picks.
+    The output does not depend on which clamp the global quantized engine picks.
+    torch 2.13's qnnpack clamp (what hardtanh, relu6 and clamp run while the engine
+    is qnnpack) reads a channels-last input, as every int8 conv returns, as if it
+    were contiguous and returns a contiguous, scrambled tensor; the other engines'
+    clamp keeps the layout. So a channels-last input is clamped directly and, where
+    the result came back contiguous, clamped again on its NHWC view (contiguous: no
+    copy, exact on every engine). The check, not the global, decides: another thread
+    may switch the engine between the kernel's read and torch's.
     """
 
     returns_quantized = True
@@ -101,10 +104,20 @@ class QuantizedClamp(torch.nn.Module):
         max_val: Any = None,
     ) -> torch.Tensor:
         if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
-            # every int8 conv's output: its NHWC view is contiguous (the common case,
-            # without the generic helpers' calls: this runs after most convs)
-            nhwc = torch.clamp(x.permute(0, 2, 3, 1), self.low, self.high)
-            clamped = nhwc.permute(0, 3, 1, 2)
+            # every int8 conv's output (the common case, without the generic
+            # helpers' calls: this runs after most convs)
+            clamped_in_place_order = False
+            clamped = x
+            if torch.jit.is_scripting() or not self._qnnpack_engine_is_set():
+                clamped = torch.clamp(x, self.low, self.high)
+                clamped_in_place_order = clamped.is_contiguous(memory_format=torch.channels_last)
+            if not clamped_in_place_order:
+                # qnnpack's clamp ran (the engine is qnnpack, or was switched just
+                # now): its output is contiguous, written from the channels-last
+                # memory as if that were contiguous. The NHWC view is contiguous:
+                # every engine's clamp is exact there.
+                nhwc = torch.clamp(x.permute(0, 2, 3, 1), self.low, self.high)
+                clamped = nhwc.permute(0, 3, 1, 2)
         else:
             view, back = in_memory_order(x)
             clamped = back_from_memory_order(torch.clamp(view, self.low, self.high), back)
@@ -113,6 +126,16 @@ class QuantizedClamp(torch.nn.Module):
         return torch.quantize_per_tensor(
             clamped.dequantize(), self.scale, self.zero_point, self.dtype
         )
+
+    @torch.jit.unused
+    def _qnnpack_engine_is_set(self) -> bool:
+        """A hint only (forward checks torch's result): eager kernels skip a clamp
+        they would redo; scripted ones cannot read the global and always check."""
+        return torch._C._get_qengine() == _QNNPACK
+
+    # as QuantizedMatmul._under_autocast: TorchScript cannot resolve the string
+    # annotation ``from __future__ import annotations`` makes of bool
+    _qnnpack_engine_is_set.__annotations__["return"] = bool
 
     def extra_repr(self) -> str:
         requantize = ""

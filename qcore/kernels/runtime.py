@@ -120,7 +120,8 @@ def quiet_quantized_tensors() -> None:
 # interleave: one packs for the other's engine, and the last to restore leaves the
 # user's setting changed. One lock for every set-pack-restore in qcore. Re-entrant: a
 # kernel packed inside ``using_engine`` (the conformance suite, tests) packs in the
-# same thread. No kernel reads the global while a model runs, so the moment the global
+# same thread. No kernel's output depends on the global while a model runs (the
+# clamp reads it as a hint and checks what torch's op did), so the moment the global
 # holds a kernel's engine changes no output of any other qcore model.
 _ENGINE_LOCK = threading.RLock()
 
