@@ -80,3 +80,47 @@ def test_cat_of_float_inputs_rounds_once_as_torch_ao(model_class, backend):
         peer = _sqnr(expected, peer_model(held_out))
     ours = _sqnr(expected, qcore.convert_fx(prepared)(held_out))
     assert ours >= peer - 0.1, (ours, peer)
+
+
+class TwoActivatedBranches(torch.nn.Module):
+    """MobileNet's two-branch block: conv -> relu6 twice, concatenated. torch.ao swaps
+    the observer after each relu6 for the cat's, and each conv keeps observing its
+    own pre-activation range."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.b = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.relu_a, self.relu_b = torch.nn.ReLU6(), torch.nn.ReLU6()
+        with torch.no_grad():
+            self.b.weight.mul_(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.relu_a(self.a(x)), self.relu_b(self.b(x))], 1)
+
+
+# qnnpack's relu6 misreads torch.ao's channels-last conv outputs (test_clamp_engines)
+@pytest.mark.parametrize("backend", [b for b in backend_params() if "qnnpack" not in str(b)])
+def test_cat_of_activated_convs_is_torch_aos_model_exactly(backend):
+    torch.manual_seed(0)
+    model = TwoActivatedBranches().eval()
+    generator = torch.Generator().manual_seed(0)
+    data = [torch.randn(4, 8, 8, 8, generator=generator) * 2 for _ in range(5)]
+    mapping = get_default_qconfig_mapping(backend)
+    prepared = qcore.prepare_fx(copy.deepcopy(model), mapping, (data[0],), backend=backend)
+    config = backend_config(backend)
+    with quantized_engine("fbgemm"):
+        theirs = prepare_fx(copy.deepcopy(model), mapping, (data[0],), backend_config=config)
+        for batch in data[:4]:
+            prepared(batch)
+            theirs(batch)
+        peer_model = convert_fx(theirs, backend_config=config)
+        expected = peer_model(data[4])
+    ours = qcore.convert_fx(prepared)
+    for name in ("a", "b"):  # each conv's output qparams: its own range, as torch.ao's
+        theirs_conv, our_conv = peer_model.get_submodule(name), ours.get_submodule(name)
+        assert (our_conv.scale, our_conv.zero_point) == (
+            theirs_conv.scale,
+            theirs_conv.zero_point,
+        ), name
+    assert torch.equal(ours(data[4]), expected.dequantize() if expected.is_quantized else expected)
