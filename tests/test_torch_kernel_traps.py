@@ -7,7 +7,11 @@ agrees with its reference form there.
   stepping over a narrow input): 200-255 steps off (FX), or uninitialised memory
   (PT2E: -105 dB), or a crash; and its depthwise conv3d with a channel multiplier on a
   depth-1 input: 160-230 steps off. Such convs run on qnnpack's kernel (FX) or
-  stay in reference form (PT2E).
+  stay in reference form (PT2E). On an Xeon with AMX and AVX512-VNNI, also convs
+  whose groups have 4-28 input channels where channels x kernel width is a multiple
+  of 64 from 128 up (up to 255 steps off; torch.ao's x86 models with them score
+  -11 dB): qcore probes each geometry on the CPU it converts on
+  (qcore.kernels.onednn_probe).
 - qnnpack's max pool refuses a pooling of size 1 at every call.
 - The int8 instance norm over two values per instance, on every engine.
 """
@@ -36,6 +40,15 @@ CONVS = {
     "depthwise conv3d, multiplier 2": (
         lambda: torch.nn.Conv3d(16, 32, 3, padding=1, groups=16),
         (2, 16, 1, 6, 6),
+    ),
+    # wrong on an AMX/AVX512-VNNI Xeon only (found there; qcore probes each CPU)
+    "conv1d, 2 groups of 16 channels, kernel 16 (wav2vec2's positional conv)": (
+        lambda: torch.nn.Conv1d(32, 32, 16, padding=8, groups=2),
+        (2, 32, 40),
+    ),
+    "conv2d, 16 channels, kernel 8": (
+        lambda: torch.nn.Conv2d(16, 16, 8, padding=4),
+        (1, 16, 12, 12),
     ),
 }
 
@@ -193,3 +206,67 @@ def test_a_dilated_conv_exported_with_dynamic_spatial_sizes_agrees_with_its_refe
     x = torch.randn(2, 8, 5, 1)
     with torch.no_grad():
         assert torch.equal(lowered(x), reference(x))
+
+
+@pytest.mark.parametrize("backend", backend_params(("x86",)))
+def test_a_geometry_the_probe_finds_wrong_runs_on_the_exact_engine_and_says_so(
+    backend, monkeypatch
+) -> None:
+    """Whatever this CPU: a oneDNN conv that gives garbage for a geometry (here made
+    so) is moved to qnnpack's kernel at convert, explain says why, and the lowered
+    model agrees with its reference form."""
+    from qcore.kernels import onednn_probe
+
+    def garbage(x, packed, scale, zero_point):
+        return torch.quantize_per_tensor(torch.rand(2, 8, 10) * 9, 0.05, 64, torch.quint8)
+
+    onednn_probe.onednn_conv_wrong_here.cache_clear()
+    monkeypatch.setitem(onednn_probe._QUANTIZED_CONVS, 1, garbage)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv1d(4, 8, 3, padding=1), torch.nn.ReLU())
+        prepared, batches = _calibrated(model.eval(), (2, 4, 10), "fx", backend)
+        lowered = qcore.convert_fx(prepared)
+    finally:
+        onednn_probe.onednn_conv_wrong_here.cache_clear()
+    entry = qcore.explain(lowered)["_0"]
+    assert entry.status.name == "QUANTIZED"
+    assert "runs on qnnpack's kernel" in entry.reason
+    assert "steps off the reference on this CPU" in entry.reason
+    reference = qcore.convert_to_reference_fx(prepared)
+    with torch.no_grad():
+        for batch in batches:
+            expected = reference(batch)
+            step = expected.abs().max() / 255
+            assert ((lowered(batch) - expected).abs().max() / step) <= 2.01
+
+
+@pytest.mark.parametrize("backend", backend_params(("x86",)))
+def test_the_graph_a_compiler_gets_keeps_such_a_conv_out_of_its_int8_pass(
+    backend, monkeypatch
+) -> None:
+    """Inductor lowers ``dequantize(int8 weight) -> conv`` to the same oneDNN conv:
+    a geometry the probe finds wrong gets its weight as a float constant there."""
+    from qcore.compiling import _reference_form
+    from qcore.kernels import onednn_probe
+
+    def garbage(x, packed, scale, zero_point):
+        return torch.quantize_per_tensor(torch.rand(1, 8, 18) * 9, 0.05, 64, torch.quint8)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv1d(4, 8, 3, padding=1), torch.nn.ReLU())
+    prepared, _ = _calibrated(model.eval(), (2, 4, 10), "fx", backend)
+
+    def float_weighted_convs() -> list[str]:
+        graph = _reference_form(prepared, "fx").graph
+        convs = [n for n in graph.nodes if n.target == torch.ops.aten.conv1d.default]
+        return [n.name for n in convs if str(n.args[1].target).endswith("_float_weight")]
+
+    onednn_probe.onednn_conv_wrong_here.cache_clear()
+    assert float_weighted_convs() == []
+    monkeypatch.setitem(onednn_probe._QUANTIZED_CONVS, 1, garbage)
+    onednn_probe.onednn_conv_wrong_here.cache_clear()
+    try:
+        assert len(float_weighted_convs()) == 1
+    finally:
+        onednn_probe.onednn_conv_wrong_here.cache_clear()

@@ -1,4 +1,5 @@
-"""Convs a compiler's int8 pass must not take: those whose outputs read zero padding only.
+"""Convs a compiler's int8 pass must not take: those whose outputs read zero padding
+only, and geometries oneDNN's int8 conv gets wrong on this CPU.
 
 Inductor lowers ``dequantize(int8 weight) -> conv`` to oneDNN's int8 conv, which
 leaves outputs that read zero padding only as garbage (a padding wider than the
@@ -7,6 +8,10 @@ torchao + Inductor's models too). qcore's eager kernels check each call
 (``qcore.kernels.scripted.reads_padding_only``); in the graph handed to a compiler,
 such a conv gets its weight as a float constant (the dequantized integers, the same
 values), which no int8 pass matches, so it computes as the reference does.
+
+The same float weight goes to a conv of a geometry oneDNN's int8 conv computes
+wrongly on the CPU compiling it (:mod:`qcore.kernels.onednn_probe`; Inductor would
+lower it to that conv).
 
 The input size is the one prepare recorded (for a dynamic dimension, the one
 export saw): a model compiled for other spatial sizes is checked at those.
@@ -28,6 +33,7 @@ from torch.fx import GraphModule, Node
 
 from qcore.engine.conv_padding import explicit_padding, per_dim
 from qcore.engine.kernel_check import recorded
+from qcore.kernels.onednn_probe import onednn_conv_wrong_here
 from qcore.kernels.scripted import reads_padding_only
 
 __all__ = ["float_weights_where_padding_only"]
@@ -57,7 +63,11 @@ def float_weights_where_padding_only(gm: GraphModule) -> int:
         value = _constant_value(gm, weight)
         if value is None:
             continue
-        if not _reads_padding_only(gm, node, value.shape) and not _conv1d_into_add(node, value):
+        if not (
+            _reads_padding_only(gm, node, value.shape)
+            or _conv1d_into_add(node, value)
+            or _wrong_on_this_cpu(gm, node, value.shape)
+        ):
             continue
         name = f"{node.name}_float_weight"
         gm.register_buffer(name, value)
@@ -113,6 +123,50 @@ def _conv1d_into_add(conv: Node, weight: torch.Tensor) -> bool:
 
 
 _GEOMETRY = (("stride", 3, 1), ("padding", 4, 0), ("dilation", 5, 1))  # name, position, default
+
+
+def _wrong_on_this_cpu(gm: GraphModule, conv: Node, weight_shape: torch.Size) -> bool:
+    """A geometry oneDNN's int8 conv computes wrongly on this CPU
+    (:mod:`qcore.kernels.onednn_probe`; probed on a full-range input)."""
+    kernel = list(weight_shape[2:])
+    dims = len(kernel)
+    stride, padding, dilation = (
+        conv.kwargs.get(name, conv.args[index] if len(conv.args) > index else default)
+        for name, index, default in _GEOMETRY
+    )
+    groups = conv.kwargs.get("groups", conv.args[6] if len(conv.args) > 6 else 1)
+    stride, dilation = per_dim(stride, dims), per_dim(dilation, dims)
+    explicit = explicit_padding(padding, kernel, dilation)
+    if explicit is None or not isinstance(groups, int):
+        return False
+    input_range = _uint8_input_range(conv.args[0])
+    if input_range is None:
+        return False  # not an int8 conv Inductor would lower
+    found = recorded(conv.args[0], gm, example_sizes=True)
+    if found is not None and len(found[0]) == dims + 2:
+        spatial = tuple(min(size, 64) for size in found[0][2:])
+    else:
+        spatial = tuple((k - 1) * d + 8 for k, d in zip(kernel, dilation, strict=True))
+    trouble = onednn_conv_wrong_here(
+        weight_shape[1] * groups, weight_shape[0], tuple(kernel), tuple(stride),
+        tuple(explicit), tuple(dilation), groups, spatial, input_range,
+    )  # fmt: skip
+    return trouble is not None
+
+
+def _uint8_input_range(x: object) -> tuple[int, int, int] | None:
+    """(quant_min, quant_max, zero point) of the uint8 dequantize feeding a conv: the
+    range its inputs use (7 bits on a CPU whose int8 sums saturate at 8)."""
+    if not (isinstance(x, Node) and x.op == "call_function" and x.target in _QDQ):
+        return None
+    if len(x.args) < 6 or x.args[5] != torch.uint8 or "dequantize" not in str(x.target):
+        return None
+    low, high, zero_point = x.args[3], x.args[4], x.args[2]
+    if not (isinstance(low, int) and isinstance(high, int)):
+        return None
+    if not isinstance(zero_point, int):
+        zero_point = (low + high) // 2
+    return low, high, zero_point
 
 
 def _reads_padding_only(gm: GraphModule, conv: Node, weight_shape: torch.Size) -> bool:

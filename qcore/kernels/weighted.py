@@ -23,6 +23,7 @@ import torch
 from qcore.engine.conv_padding import explicit_padding
 from qcore.engine.kernel_check import recorded
 from qcore.engine.reference import ReferenceModule, weighted_child
+from qcore.kernels.onednn_probe import onednn_conv_wrong_here
 from qcore.kernels.packed import PackedWeights
 from qcore.kernels.runtime import EXACT_ENGINE
 from qcore.kernels.scripted import (
@@ -196,7 +197,9 @@ class QuantizedConv(PackedWeights):
             kernel = cls(reference, match.output, relu, engine)
             kernel.lowering_note = f"computes as the reference does where {trouble}"
             return kernel
-        trouble = _multiplier_trouble(conv)
+        trouble = _multiplier_trouble(conv) or _wrong_on_this_cpu(
+            conv, found[0] if found else None, match.inputs[0], engine
+        )
         if trouble is None:
             return cls(reference, match.output, relu, engine)
         kernel = cls(reference, match.output, relu, EXACT_ENGINE)
@@ -230,14 +233,50 @@ def padding_only_trouble(
 
 
 def onednn_conv_trouble(
-    conv: torch.nn.Module, input_shape: Sequence[int] | None = None
+    conv: torch.nn.Module,
+    input_shape: Sequence[int] | None = None,
+    input_qparams: ActivationQParams | None = None,
+    engine: str = "onednn",
 ) -> str | None:
     """Why torch 2.13's oneDNN int8 conv (which its x86 engine also runs on CPUs with
     VNNI) cannot be trusted with ``conv``'s geometry on an input of ``input_shape``
-    (the one prepare recorded, if any), or None. Each case is 120-255 steps off the
-    reference (or uninitialised memory) on an AVX512-VNNI CPU, as in torch.ao's
-    models; no CPU check is made, so the rule holds wherever qcore runs."""
-    return padding_only_trouble(conv, input_shape) or _multiplier_trouble(conv)
+    (the one prepare recorded, if any), or None. The first two rules are 120-255
+    steps off the reference (or uninitialised memory) on an AVX512-VNNI CPU, as in
+    torch.ao's models, and hold wherever qcore runs; the last asks this CPU
+    (:mod:`qcore.kernels.onednn_probe`) on inputs at ``input_qparams``."""
+    return (
+        padding_only_trouble(conv, input_shape)
+        or _multiplier_trouble(conv)
+        or _wrong_on_this_cpu(conv, input_shape, input_qparams, engine)
+    )
+
+
+_PROBED_SIZE = 64  # each spatial size at most: the faults found depend on the geometry
+
+
+def _wrong_on_this_cpu(
+    conv: torch.nn.Module,
+    input_shape: Sequence[int] | None,
+    input_qparams: ActivationQParams | None,
+    engine: str,
+) -> str | None:
+    if input_qparams is not None and input_qparams.dtype != torch.quint8:
+        return None  # oneDNN's int8 conv takes quint8 inputs only
+    stride, padding, dilation, groups = conv_geometry(conv)
+    kernel = list(conv.kernel_size)
+    dims = len(kernel)
+    if input_shape is not None and len(input_shape) == dims + 2:
+        spatial = [min(size, _PROBED_SIZE) for size in input_shape[2:]]
+    else:
+        spatial = [(k - 1) * d + 8 for k, d in zip(kernel, dilation, strict=True)]
+    low, high, zero_point = 0, 255, 0
+    if input_qparams is not None:
+        low, high = input_qparams.quant_range or (0, 255)
+        zero_point = input_qparams.zero_point
+    return onednn_conv_wrong_here(
+        conv.in_channels, conv.out_channels, tuple(kernel), tuple(stride), tuple(padding),
+        tuple(dilation), groups, tuple(spatial), (low, high, zero_point), engine,
+    )  # fmt: skip
 
 
 def _multiplier_trouble(conv: torch.nn.Module) -> str | None:

@@ -127,7 +127,7 @@ def _conv_trouble(match: KernelMatch, conv: nn.Module, sizes_vary: bool) -> str 
     exported graph), a dilated or over-padded conv may read padding only at some
     size, and these kernels cannot check each call as QuantizedConv does."""
     found = recorded(match.root.args[0] if match.root.args else None, example_sizes=True)
-    trouble = onednn_conv_trouble(conv, found[0] if found else None)
+    trouble = onednn_conv_trouble(conv, found[0] if found else None, match.inputs[0])
     _, padding, dilation, _ = conv_geometry(conv)
     if (
         trouble is None
