@@ -33,7 +33,7 @@ from torch.fx import GraphModule, Node
 
 from qcore.engine.conv_padding import explicit_padding, per_dim
 from qcore.engine.kernel_check import recorded
-from qcore.kernels.onednn_probe import onednn_conv_wrong_here
+from qcore.kernels.onednn_probe import conv_wrong_here
 from qcore.kernels.scripted import reads_padding_only
 
 __all__ = ["float_weights_where_padding_only"]
@@ -127,29 +127,19 @@ _GEOMETRY = (("stride", 3, 1), ("padding", 4, 0), ("dilation", 5, 1))  # name, p
 
 def _wrong_on_this_cpu(gm: GraphModule, conv: Node, weight_shape: torch.Size) -> bool:
     """A geometry oneDNN's int8 conv computes wrongly on this CPU
-    (:mod:`qcore.kernels.onednn_probe`; probed on a full-range input)."""
+    (:mod:`qcore.kernels.onednn_probe`, on inputs of the conv's int8 range)."""
     kernel = list(weight_shape[2:])
-    dims = len(kernel)
-    stride, padding, dilation = (
-        conv.kwargs.get(name, conv.args[index] if len(conv.args) > index else default)
-        for name, index, default in _GEOMETRY
-    )
+    geometry = _geometry(conv, kernel)
     groups = conv.kwargs.get("groups", conv.args[6] if len(conv.args) > 6 else 1)
-    stride, dilation = per_dim(stride, dims), per_dim(dilation, dims)
-    explicit = explicit_padding(padding, kernel, dilation)
-    if explicit is None or not isinstance(groups, int):
-        return False
     input_range = _uint8_input_range(conv.args[0])
-    if input_range is None:
+    if geometry is None or not isinstance(groups, int) or input_range is None:
         return False  # not an int8 conv Inductor would lower
+    stride, padding, dilation = geometry
     found = recorded(conv.args[0], gm, example_sizes=True)
-    if found is not None and len(found[0]) == dims + 2:
-        spatial = tuple(min(size, 64) for size in found[0][2:])
-    else:
-        spatial = tuple((k - 1) * d + 8 for k, d in zip(kernel, dilation, strict=True))
-    trouble = onednn_conv_wrong_here(
+    trouble = conv_wrong_here(
         weight_shape[1] * groups, weight_shape[0], tuple(kernel), tuple(stride),
-        tuple(explicit), tuple(dilation), groups, spatial, input_range,
+        tuple(padding), tuple(dilation), groups, tuple(found[0]) if found else None,
+        input_range,
     )  # fmt: skip
     return trouble is not None
 
@@ -169,8 +159,9 @@ def _uint8_input_range(x: object) -> tuple[int, int, int] | None:
     return low, high, zero_point
 
 
-def _reads_padding_only(gm: GraphModule, conv: Node, weight_shape: torch.Size) -> bool:
-    kernel = list(weight_shape[2:])
+def _geometry(conv: Node, kernel: list[int]) -> tuple[list, list, list] | None:
+    """(stride, explicit padding, dilation) of an aten conv call, or None where torch
+    pads one side more ("same" with an even reach)."""
     dims = len(kernel)
     stride, padding, dilation = (
         conv.kwargs.get(name, conv.args[index] if len(conv.args) > index else default)
@@ -178,9 +169,16 @@ def _reads_padding_only(gm: GraphModule, conv: Node, weight_shape: torch.Size) -
     )
     stride, dilation = per_dim(stride, dims), per_dim(dilation, dims)
     explicit = explicit_padding(padding, kernel, dilation)
-    if explicit is None:
+    return None if explicit is None else (stride, explicit, dilation)
+
+
+def _reads_padding_only(gm: GraphModule, conv: Node, weight_shape: torch.Size) -> bool:
+    kernel = list(weight_shape[2:])
+    geometry = _geometry(conv, kernel)
+    if geometry is None:
         return False  # "same" padding one side more: not one of these geometries
+    stride, explicit, dilation = geometry
     found = recorded(conv.args[0], gm, example_sizes=True)
     # with no recorded size, only padding wider than the kernel's reach can tell
-    sizes = list(found[0]) if found else [1 << 20] * dims
+    sizes = list(found[0]) if found else [1 << 20] * len(kernel)
     return reads_padding_only(sizes, kernel, stride, explicit, dilation)

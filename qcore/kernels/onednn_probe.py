@@ -23,12 +23,38 @@ import torch.nn.functional as F
 
 from qcore.kernels.runtime import packed_for
 
-__all__ = ["onednn_conv_wrong_here"]
+__all__ = ["conv_wrong_here", "onednn_conv_wrong_here"]
 
+_PROBED_SIZE = 64  # each spatial size at most: the faults found depend on the geometry
 _STEPS_OFF = 2  # rounding differs by one step between int8 and float paths; the fault by 40+
 _QUANTIZED_CONVS = {1: torch.ops.quantized.conv1d, 2: torch.ops.quantized.conv2d}
 _PREPACKS = {1: torch.ops.quantized.conv1d_prepack, 2: torch.ops.quantized.conv2d_prepack}
 _FLOAT_CONVS = {1: F.conv1d, 2: F.conv2d}
+
+
+def conv_wrong_here(
+    in_channels: int,
+    out_channels: int,
+    kernel_size: tuple[int, ...],
+    stride: tuple[int, ...],
+    padding: tuple[int, ...],
+    dilation: tuple[int, ...],
+    groups: int,
+    input_shape: tuple[int, ...] | None,
+    input_range: tuple[int, int, int],
+    engine: str = "onednn",
+) -> str | None:
+    """:func:`onednn_conv_wrong_here` at the spatial size of ``input_shape`` (the one
+    prepare recorded; each size capped), or one the kernel covers where none is."""
+    dims = len(kernel_size)
+    if input_shape is not None and len(input_shape) == dims + 2:
+        spatial = tuple(min(size, _PROBED_SIZE) for size in input_shape[2:])
+    else:
+        spatial = tuple((k - 1) * d + 8 for k, d in zip(kernel_size, dilation, strict=True))
+    return onednn_conv_wrong_here(
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
+        spatial, input_range, engine,
+    )  # fmt: skip
 
 
 @functools.cache

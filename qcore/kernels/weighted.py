@@ -23,7 +23,7 @@ import torch
 from qcore.engine.conv_padding import explicit_padding
 from qcore.engine.kernel_check import recorded
 from qcore.engine.reference import ReferenceModule, weighted_child
-from qcore.kernels.onednn_probe import onednn_conv_wrong_here
+from qcore.kernels.onednn_probe import conv_wrong_here
 from qcore.kernels.packed import PackedWeights
 from qcore.kernels.runtime import EXACT_ENGINE
 from qcore.kernels.scripted import (
@@ -251,9 +251,6 @@ def onednn_conv_trouble(
     )
 
 
-_PROBED_SIZE = 64  # each spatial size at most: the faults found depend on the geometry
-
-
 def _wrong_on_this_cpu(
     conv: torch.nn.Module,
     input_shape: Sequence[int] | None,
@@ -263,19 +260,15 @@ def _wrong_on_this_cpu(
     if input_qparams is not None and input_qparams.dtype != torch.quint8:
         return None  # oneDNN's int8 conv takes quint8 inputs only
     stride, padding, dilation, groups = conv_geometry(conv)
-    kernel = list(conv.kernel_size)
-    dims = len(kernel)
-    if input_shape is not None and len(input_shape) == dims + 2:
-        spatial = [min(size, _PROBED_SIZE) for size in input_shape[2:]]
-    else:
-        spatial = [(k - 1) * d + 8 for k, d in zip(kernel, dilation, strict=True)]
     low, high, zero_point = 0, 255, 0
     if input_qparams is not None:
         low, high = input_qparams.quant_range or (0, 255)
         zero_point = input_qparams.zero_point
-    return onednn_conv_wrong_here(
-        conv.in_channels, conv.out_channels, tuple(kernel), tuple(stride), tuple(padding),
-        tuple(dilation), groups, tuple(spatial), (low, high, zero_point), engine,
+    return conv_wrong_here(
+        conv.in_channels, conv.out_channels, tuple(conv.kernel_size), tuple(stride),
+        tuple(padding), tuple(dilation), groups,
+        tuple(input_shape) if input_shape is not None else None,
+        (low, high, zero_point), engine,
     )  # fmt: skip
 
 
