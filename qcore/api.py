@@ -45,7 +45,14 @@ from qcore.engine.custom_config import (
 from qcore.engine.custom_modules import custom_kernels, quantize_inputs_for, swap_quantized
 from qcore.engine.custom_tuples import tuple_output_qparams
 from qcore.engine.decomposed import to_decomposed
-from qcore.engine.explain import Entry, Report, Status, attach_report, report_of
+from qcore.engine.explain import (
+    Entry,
+    Report,
+    Status,
+    attach_report,
+    report_of,
+    with_load_notes,
+)
 from qcore.engine.float_islands import islands_from_any_float_op
 from qcore.engine.fuse import fuse_graph
 from qcore.engine.lower import lower, make_picklable
@@ -834,4 +841,4 @@ def explain(model: torch.nn.Module) -> Report:
             f"model: got {type(model).__name__}; expected a model returned by "
             "qcore.prepare_fx, prepare_qat_fx, convert_fx, quantize or compile"
         )
-    return report
+    return with_load_notes(model, report)

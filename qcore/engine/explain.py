@@ -17,7 +17,16 @@ import torch
 
 from qcore.config.errors import describe
 
-__all__ = ["WIDTH", "Entry", "Report", "Status", "attach_report", "brief", "report_of"]
+__all__ = [
+    "WIDTH",
+    "Entry",
+    "Report",
+    "Status",
+    "attach_report",
+    "brief",
+    "report_of",
+    "with_load_notes",
+]
 
 # Kept twice because each copy survives a different way of copying a
 # GraphModule: deepcopy keeps ``meta`` but drops plain attributes; torch.load
@@ -260,6 +269,28 @@ def attach_report(gm: torch.nn.Module, report: Report) -> Report:
         gm.meta[_REPORT_KEY] = report
     setattr(gm, _REPORT_ATTRIBUTE, report)
     return report
+
+
+def with_load_notes(model: Any, report: Report) -> Report:
+    """``report`` with what a kernel decided again on the CPU that loaded ``model``
+    (``load_note``: :meth:`qcore.kernels.packed.PackedWeights.check_on_load`)."""
+    notes = {}
+    for node in getattr(getattr(model, "graph", None), "nodes", ()):
+        if node.op == "call_module":
+            note = getattr(_submodule(model, node.target), "load_note", "")
+            if note:
+                notes[node.name] = note
+    if not notes:
+        return report
+    entries = [replace(e, reason=notes[e.node]) if e.node in notes else e for e in report]
+    return Report(report.backend, entries, report.algorithms)
+
+
+def _submodule(model: Any, target: str) -> Any:
+    try:
+        return model.get_submodule(target)
+    except AttributeError:
+        return None
 
 
 def report_of(model: Any) -> Report | None:

@@ -50,10 +50,10 @@ from qcore.engine.kernel_check import (
 from qcore.engine.reference import ReferenceModule
 from qcore.kernels.runtime import (
     EXACT_ENGINE,
+    PAIR_SUMS_OVERFLOW,
     TORCH_QUANTIZED_DTYPE,
-    pair_sums_may_saturate,
+    pair_sums_overflow_here,
     quiet_quantized_tensors,
-    saturates_uint8_products,
 )
 from qcore.plugin.isolation import call_isolated
 from qcore.plugin.kernels import (
@@ -83,10 +83,7 @@ _PREPARE_STATE_KEYS = ("qcore_state", "qcore_pt2e_state")
 # The qparams of torch's fixed-qparams ops' quint8 outputs (sigmoid, hardsigmoid,
 # softmax: [0, 1); tanh: [-1, 1)): always the whole 0..255.
 _FIXED_QPARAMS = ((1.0 / 256, 0), (2.0 / 256, 128))
-ON_EXACT_ENGINE = (
-    f"runs on {EXACT_ENGINE}'s kernel: its input uses all 8 bits, and this CPU sums "
-    "pairs of int8 products in 16 bits (no VNNI), which this layer's weights overflow"
-)
+ON_EXACT_ENGINE = f"runs on {EXACT_ENGINE}'s kernel: {PAIR_SUMS_OVERFLOW}"
 SATURATING_SUMS = (
     "left in reference form: its input uses all 8 bits, this CPU sums pairs of int8 "
     f"products in 16 bits (no VNNI), which its weights overflow, and {EXACT_ENGINE} "
@@ -338,7 +335,9 @@ class _Lowering:
         _check_output_range(match.output, getattr(result, "honors_quant_range", False))
         if not is_tested(kernel):
             self._try_once(kernel, result, match, returns_quantized)
-        if self._sums_may_saturate(result, match, root):
+        if getattr(result, "sums_uint8_products", False):
+            result.input_max = self._input_max(match, root)
+        if pair_sums_overflow_here(result):
             if not result.can_move_to(EXACT_ENGINE):
                 raise _Refused(SATURATING_SUMS)
             result.move_to(EXACT_ENGINE)
@@ -396,17 +395,15 @@ class _Lowering:
         args, kwargs = map_arg(root.args, sample), map_arg(root.kwargs, sample)
         return None if unknown else (args, kwargs)
 
-    def _sums_may_saturate(self, kernel: Any, match: KernelMatch, root: Node) -> bool:
-        """Whether ``kernel``'s 16-bit pair sums can overflow on this CPU: it sums
-        uint8 * int8 products on such an engine, its input uses the 8th bit, and its
-        weights are large enough (a wrong number is worse than a slower kernel)."""
-        if not (saturates_uint8_products(kernel) and self._input_uses_8_bits(match, root)):
-            return False
+    def _input_max(self, match: KernelMatch, root: Node) -> int | None:
+        """The largest uint8 value multiplying the weights where the first input may
+        use the 8th bit, else None: what decides, here and on the CPU that loads the
+        model, whether the kernel's 16-bit pair sums may overflow
+        (:func:`qcore.kernels.runtime.pair_sums_overflow_here`)."""
+        if not self._input_uses_8_bits(match, root):
+            return None
         x = match.inputs[0]
-        input_max = x.quant_range[1] if x.quant_range is not None else 255
-        return pair_sums_may_saturate(
-            kernel.weight_int, input_max, getattr(kernel, "output_channel_axis", 0)
-        )
+        return x.quant_range[1] if x.quant_range is not None else 255
 
     def _input_uses_8_bits(self, match: KernelMatch, root: Node) -> bool:
         """Whether the values multiplying the weights (the first input) may use the 8th

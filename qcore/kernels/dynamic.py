@@ -25,7 +25,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from qcore.engine.reference import ReferenceModule, weighted_child
 from qcore.kernels.common import require
-from qcore.kernels.packed import PackedWeights
+from qcore.kernels.packed import PackedWeights, warn_adapted_on_load
 from qcore.kernels.runtime import SATURATING_ENGINES, int8_products_saturate
 from qcore.plugin.kernels import KernelMatch, KernelUnavailable
 
@@ -63,6 +63,21 @@ def dynamic_reference(match: KernelMatch) -> tuple[ReferenceModule, bool, bool]:
     return reference, False, match.dynamic[0].reduce_range or saturates
 
 
+def _seven_bits_where_sums_saturate(kernel: DynamicLinear | DynamicRNN) -> None:
+    """``check_on_load`` of the dynamic kernels: lowered on a CPU with VNNI, an 8-bit
+    dynamic input saturates the 16-bit pair sums of one without; 7 bits there, as
+    lowering on that CPU chooses."""
+    if kernel.fp16 or kernel.reduce_range:
+        return
+    if kernel.engine in SATURATING_ENGINES and int8_products_saturate():
+        kernel.reduce_range = True
+        kernel.load_note = (
+            "quantizes its input to 7 bits on this CPU, which sums pairs of int8 "
+            "products in 16 bits (no VNNI)"
+        )
+        warn_adapted_on_load()
+
+
 class DynamicLinear(PackedWeights):
     """Dynamically quantized linear (optionally with relu), int8 or fp16 weights."""
 
@@ -98,6 +113,8 @@ class DynamicLinear(PackedWeights):
             f"weights={'float16' if self.fp16 else 'qint8'}, relu={self.relu}, "
             f"reduce_range={self.reduce_range}, engine={self.engine}"
         )
+
+    check_on_load = _seven_bits_where_sums_saturate
 
     @classmethod
     def lower(cls, match: KernelMatch, relu: bool = False):
@@ -240,6 +257,8 @@ class DynamicRNN(PackedWeights):
         """What ``torch.jit.script`` compiles instead: LSTM and GRU take and return
         different types, which one TorchScript forward cannot."""
         return (_ScriptedLSTM if self.mode == "LSTM" else _ScriptedGRU)(self)
+
+    check_on_load = _seven_bits_where_sums_saturate
 
     @classmethod
     def lower(cls, match: KernelMatch):

@@ -12,18 +12,22 @@ kernel's own engine whatever ``torch.backends.quantized.engine`` says then
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
 from qcore.engine.reference import QParams, ReferenceModule, weighted_child
 from qcore.kernels.runtime import (
+    EXACT_ENGINE,
+    PAIR_SUMS_OVERFLOW,
     TORCH_QUANTIZED_DTYPE,
     packed_for,
+    pair_sums_overflow_here,
     quiet_quantized_tensors,
 )
 
-__all__ = ["OutputQParamsState", "PackedWeights"]
+__all__ = ["OutputQParamsState", "PackedWeights", "warn_adapted_on_load"]
 
 
 class OutputQParamsState(torch.nn.Module):
@@ -69,6 +73,10 @@ class PackedWeights(OutputQParamsState):
     #: and linear, oneDNN's): fbgemm and oneDNN sum pairs of those products in 16 bits on
     #: CPUs without VNNI (``qcore.kernels.runtime.saturates_uint8_products``).
     sums_uint8_products = False
+
+    #: The largest uint8 value multiplying the weights where the input may use the 8th
+    #: bit, or None (7 bits; set at lowering for kernels that ``sums_uint8_products``).
+    input_max = None  # not annotated: TorchScript reads class annotations
 
     def __init__(self, engine: str) -> None:
         super().__init__()
@@ -147,8 +155,30 @@ class PackedWeights(OutputQParamsState):
             return
         self._packed = packed_for(self.engine, self.pack)
 
+    def wrong_on_this_cpu(self) -> str | None:
+        """Why the engine this kernel is packed for computes it wrong on this CPU, or
+        None. Lowering decides on the CPU that converts; a model saved there and loaded
+        on another asks again (:meth:`check_on_load`)."""
+        return PAIR_SUMS_OVERFLOW if pair_sums_overflow_here(self) else None
+
+    def check_on_load(self) -> None:
+        """Run on the exact engine where this CPU computes the packed engine's kernel
+        wrong (a model converted on another CPU), or warn where it cannot move; explain
+        reads ``load_note``."""
+        trouble = self.wrong_on_this_cpu()
+        if trouble is None:
+            return
+        if self.can_move_to(EXACT_ENGINE):
+            self.engine = EXACT_ENGINE
+            self.load_note = f"runs on {EXACT_ENGINE}'s kernel on this CPU: {trouble}"
+            warn_adapted_on_load()
+        else:
+            self.load_note = f"may compute wrong numbers on this CPU: {trouble}"
+            warnings.warn(_WRONG_ON_LOAD, UserWarning, stacklevel=2)
+
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         super()._load_from_state_dict(*args, **kwargs)
+        self.check_on_load()
         self.repack()
 
     def __getstate__(self) -> dict:
@@ -158,4 +188,24 @@ class PackedWeights(OutputQParamsState):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        self.check_on_load()
         self.repack()
+
+
+def warn_adapted_on_load() -> None:
+    """The one warning for kernels that changed how they run on the CPU loading them."""
+    warnings.warn(_ADAPTED_ON_LOAD, UserWarning, stacklevel=3)
+
+
+# One text each, so Python's warning filter shows each once however many kernels moved.
+_ADAPTED_ON_LOAD = (
+    "qcore: this model was converted on a CPU whose int8 kernels differ from this one's; "
+    "the layers this CPU would compute wrong as converted run another way here "
+    f"({EXACT_ENGINE}'s kernel, or 7-bit dynamic inputs). qcore.explain(model) names them; "
+    "convert on this CPU for its own choice"
+)
+_WRONG_ON_LOAD = (
+    "qcore: this model was converted on a CPU whose int8 kernels differ from this one's; "
+    "some of its layers compute wrong numbers here and cannot move to another engine. "
+    "qcore.explain(model) names them: convert the model again on this CPU"
+)

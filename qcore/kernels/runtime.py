@@ -28,8 +28,10 @@ from typing import Any
 import torch
 
 __all__ = [
+    "PAIR_SUMS_OVERFLOW",
     "TORCH_QUANTIZED_DTYPE",
     "int8_products_saturate",
+    "pair_sums_overflow_here",
     "packed_for",
     "packing_for",
     "pair_sums_may_saturate",
@@ -83,6 +85,28 @@ def saturates_uint8_products(kernel: torch.nn.Module) -> bool:
         getattr(kernel, "sums_uint8_products", False)
         and getattr(kernel, "engine", None) in SATURATING_ENGINES
         and int8_products_saturate()
+    )
+
+
+PAIR_SUMS_OVERFLOW = (
+    "its input uses all 8 bits, and this CPU sums pairs of int8 products in 16 bits "
+    "(no VNNI), which this layer's weights overflow"
+)
+
+
+def pair_sums_overflow_here(kernel: torch.nn.Module) -> bool:
+    """Whether a lowered kernel's 16-bit pair sums can overflow on this CPU: it sums
+    uint8 * int8 products on such an engine (:func:`saturates_uint8_products`), its
+    input uses the 8th bit (``kernel.input_max``, which lowering sets: the largest
+    uint8 value multiplying the weights, None for 7 bits), and its weights are large
+    enough (:func:`pair_sums_may_saturate`)."""
+    input_max = getattr(kernel, "input_max", None)
+    return (
+        input_max is not None
+        and saturates_uint8_products(kernel)
+        and pair_sums_may_saturate(
+            kernel.weight_int, input_max, getattr(kernel, "output_channel_axis", 0)
+        )
     )
 
 

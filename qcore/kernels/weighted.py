@@ -197,14 +197,33 @@ class QuantizedConv(PackedWeights):
             kernel = cls(reference, match.output, relu, engine)
             kernel.lowering_note = f"computes as the reference does where {trouble}"
             return kernel
-        trouble = _multiplier_trouble(conv) or _wrong_on_this_cpu(
-            conv, found[0] if found else None, match.inputs[0], engine
-        )
-        if trouble is None:
-            return cls(reference, match.output, relu, engine)
-        kernel = cls(reference, match.output, relu, EXACT_ENGINE)
-        kernel.lowering_note = f"runs on {EXACT_ENGINE}'s kernel: {trouble}"
+        kernel = cls(reference, match.output, relu, engine)
+        kernel.probed_input = _probed_input(found[0] if found else None, match.inputs[0])
+        trouble = _multiplier_trouble(conv) or kernel.onednn_wrong_here()
+        if trouble is not None:
+            kernel.move_to(EXACT_ENGINE)
+            kernel.lowering_note = f"runs on {EXACT_ENGINE}'s kernel: {trouble}"
         return kernel
+
+    #: What :mod:`qcore.kernels.onednn_probe` asks this CPU about a conv on oneDNN: the
+    #: input shape prepare recorded (or None) and the input's (quant_min, quant_max,
+    #: zero_point); None where the input is not quint8. Set at lowering.
+    probed_input = None  # not annotated: TorchScript reads class annotations
+
+    def onednn_wrong_here(self) -> str | None:
+        """Why oneDNN's int8 conv (engines x86 and onednn) computes this conv's geometry
+        wrong on this CPU, or None (:func:`qcore.kernels.onednn_probe.conv_wrong_here`)."""
+        if self.engine not in ("x86", "onednn") or self.probed_input is None:
+            return None
+        out_channels, in_per_group, *kernel_size = self.weight_int.shape
+        return conv_wrong_here(
+            in_per_group * self.groups, out_channels, tuple(kernel_size), tuple(self.stride),
+            tuple(self.padding), tuple(self.dilation), self.groups, *self.probed_input,
+            self.engine,
+        )  # fmt: skip
+
+    def wrong_on_this_cpu(self) -> str | None:
+        return super().wrong_on_this_cpu() or self.onednn_wrong_here()
 
 
 def padding_only_trouble(
@@ -257,19 +276,29 @@ def _wrong_on_this_cpu(
     input_qparams: ActivationQParams | None,
     engine: str,
 ) -> str | None:
-    if input_qparams is not None and input_qparams.dtype != torch.quint8:
-        return None  # oneDNN's int8 conv takes quint8 inputs only
+    probed = _probed_input(input_shape, input_qparams)
+    if probed is None:
+        return None
     stride, padding, dilation, groups = conv_geometry(conv)
+    return conv_wrong_here(
+        conv.in_channels, conv.out_channels, tuple(conv.kernel_size), tuple(stride),
+        tuple(padding), tuple(dilation), groups, *probed, engine,
+    )  # fmt: skip
+
+
+def _probed_input(
+    input_shape: Sequence[int] | None, input_qparams: ActivationQParams | None
+) -> tuple | None:
+    """(input shape or None, (quant_min, quant_max, zero_point)) for the probe; None
+    where the input is not quint8 (oneDNN's int8 conv takes quint8 inputs only)."""
+    if input_qparams is not None and input_qparams.dtype != torch.quint8:
+        return None
     low, high, zero_point = 0, 255, 0
     if input_qparams is not None:
         low, high = input_qparams.quant_range or (0, 255)
         zero_point = input_qparams.zero_point
-    return conv_wrong_here(
-        conv.in_channels, conv.out_channels, tuple(conv.kernel_size), tuple(stride),
-        tuple(padding), tuple(dilation), groups,
-        tuple(input_shape) if input_shape is not None else None,
-        (low, high, zero_point), engine,
-    )  # fmt: skip
+    shape = tuple(input_shape) if input_shape is not None else None
+    return shape, (low, high, zero_point)
 
 
 def _multiplier_trouble(conv: torch.nn.Module) -> str | None:
