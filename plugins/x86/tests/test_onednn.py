@@ -241,3 +241,33 @@ def test_reduce_range_defaults_to_what_the_cpu_needs():
         assert X86Quantizer(reduce_range=False).activation.quant_max == 255
     with pytest.raises(TypeError, match="reduce_range: got 'yes'"):
         X86Quantizer(reduce_range="yes")
+
+
+@pytest.mark.parametrize("kind", ["conv", "linear"])
+def test_loaded_on_a_cpu_whose_sums_saturate_a_kernel_converted_with_vnni_says_so(
+    kind, monkeypatch
+):
+    """Converted with 8-bit activations on a CPU with VNNI (made so here), loaded on
+    one without: oneDNN's kernel cannot move to another engine, so loading warns and
+    explain names the layer (docs/deploy.md, "Loading on another CPU")."""
+    from qcore.kernels import runtime
+    from qcore_x86 import onednn
+
+    for module in (runtime, onednn):
+        monkeypatch.setattr(module, "int8_products_saturate", lambda: False)
+    quantizer = X86Quantizer(reduce_range=False)
+    prepared, batches = _quantize(kind, "relu", False, False, quantizer)
+    lowered = qcore.convert_pt2e(prepared)
+    assert set(_kernels(lowered).values()) == {f"x86.onednn_{kind}"}
+    for module in (runtime, onednn):
+        monkeypatch.setattr(module, "int8_products_saturate", lambda: True)
+    buffer = io.BytesIO()
+    torch.save(lowered, buffer)
+    buffer.seek(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        loaded = torch.load(buffer, weights_only=False)
+    messages = [str(w.message) for w in caught if "qcore" in str(w.message)]
+    assert len(messages) == 1 and "convert the model again on this CPU" in messages[0]
+    reason = qcore.explain(loaded)[f"{kind}{'2d' if kind == 'conv' else ''}_reference"].reason
+    assert reason.startswith("may compute wrong numbers on this CPU: its input uses all 8 bits")
