@@ -145,3 +145,72 @@ def test_reference_module_scripts_as_its_float_module():
     x = torch.randn(1, 4, 3, 3, 3)
     with torch.no_grad():
         _assert_identical(reference(x), torch.jit.script(reference)(x))
+
+
+class ConvAndLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(16, 16, 3, padding=1)
+        self.fc = nn.Linear(16 * 6 * 6, 10)
+        with torch.no_grad():  # large enough that 16-bit pair sums overflow
+            self.conv.weight.mul_(8)
+            self.fc.weight.mul_(8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.conv(x)
+        return y, self.fc(y.flatten(1))
+
+
+@pytest.mark.parametrize("backend", backend_params(("fbgemm", "x86")))
+def test_layers_moved_off_the_backends_engine_load_with_the_references_numbers(
+    backend, monkeypatch
+):
+    """Layers whose backend kernel is wrong on this CPU run on qnnpack's (made so
+    here: 8-bit inputs on a CPU said to sum int8 products in 16 bits). torch.jit.load
+    packs torch's weights for the global engine, the backend's, whose kernel is wrong
+    for them: their scripted form computes the reference's numbers, bit for bit,
+    before saving and after loading."""
+    from qcore.kernels import runtime
+
+    monkeypatch.setattr(runtime, "int8_products_saturate", lambda: True)
+    eight_bits = torch.ao.quantization.MinMaxObserver.with_args(reduce_range=False)
+    qconfig = torch.ao.quantization.QConfig(
+        activation=eight_bits, weight=torch.ao.quantization.default_per_channel_weight_observer
+    )
+    mapping = qcore.QConfigMapping().set_global(qconfig)
+    torch.manual_seed(0)
+    batches = [torch.randn(4, 16, 6, 6) for _ in range(3)]
+    prepared = qcore.prepare_fx(ConvAndLinear().eval(), mapping, (batches[0],), backend)
+    with torch.no_grad():
+        for batch in batches:
+            prepared(batch)
+    converted = qcore.convert_fx(prepared)
+    assert converted.conv.engine == converted.fc.engine == "qnnpack"
+    reference = qcore.convert_to_reference_fx(prepared)
+    with torch.no_grad():
+        expected = reference(batches[1])
+    _, scripted, loaded = _script_save_load(converted, (batches[1],), backend)
+    _assert_identical(expected, scripted)
+    _assert_identical(expected, loaded)
+
+
+@pytest.mark.parametrize("backend", backend_params(("x86",)))
+def test_a_conv_moved_off_onednn_loads_with_the_references_numbers(backend):
+    """wav2vec2's positional conv, which oneDNN computes up to 255 steps off on some
+    CPUs (an AMX/AVX512-VNNI Xeon): lowering moves it to qnnpack's kernel there, and
+    torch.jit.load, packing for the x86 engine, would bring oneDNN's back."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(32, 32, 16, padding=8, groups=2)).eval()
+    batches = [torch.randn(2, 32, 50) for _ in range(3)]
+    prepared = qcore.prepare_fx(model, None, (batches[0],), backend)
+    with torch.no_grad():
+        for batch in batches:
+            prepared(batch)
+    converted = qcore.convert_fx(prepared)
+    if converted.get_submodule("0").engine != "qnnpack":
+        pytest.skip("this CPU's oneDNN computes this conv right: nothing moves")
+    with torch.no_grad():
+        expected = qcore.convert_to_reference_fx(prepared)(batches[1])
+    _, scripted, loaded = _script_save_load(converted, (batches[1],), backend)
+    _assert_identical(expected, scripted)
+    _assert_identical(expected, loaded)

@@ -78,6 +78,12 @@ class PackedWeights(OutputQParamsState):
     #: bit, or None (7 bits; set at lowering for kernels that ``sums_uint8_products``).
     input_max = None  # not annotated: TorchScript reads class annotations
 
+    #: Whether the kernel runs on another engine than its backend's (:meth:`move_to`: the
+    #: backend's kernel is wrong for this layer on this CPU). torch.jit.load packs
+    #: torch's weights for the global engine, the backend's: the scripted form of such
+    #: a kernel computes the reference's numbers instead.
+    left_backend_engine = False
+
     def __init__(self, engine: str) -> None:
         super().__init__()
         self.engine = engine
@@ -114,6 +120,7 @@ class PackedWeights(OutputQParamsState):
         """Pack the weights for ``engine`` instead: the kernel then runs there, and
         keeps that engine through state_dict loads and pickling."""
         self.engine = engine
+        self.left_backend_engine = True
         self.repack()
 
     def qweight(self) -> torch.Tensor:
@@ -169,7 +176,7 @@ class PackedWeights(OutputQParamsState):
         if trouble is None:
             return
         if self.can_move_to(EXACT_ENGINE):
-            self.engine = EXACT_ENGINE
+            self.engine, self.left_backend_engine = EXACT_ENGINE, True  # packed by the caller
             self.load_note = f"runs on {EXACT_ENGINE}'s kernel on this CPU: {trouble}"
             warn_adapted_on_load()
         else:

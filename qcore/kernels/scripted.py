@@ -20,7 +20,9 @@ __all__ = [
     "ScriptedConvTranspose1d",
     "ScriptedConvTranspose2d",
     "ScriptedConvTranspose3d",
+    "ScriptedLinearReference",
     "conv_reference",
+    "conv_transpose_reference",
     "may_read_padding_only",
     "reads_padding_only",
 ]
@@ -89,11 +91,56 @@ def conv_reference(
     return torch.quantize_per_tensor(y.float(), scale, zero_point, x.dtype)
 
 
+def conv_transpose_reference(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: list[int],
+    padding: list[int],
+    output_padding: list[int],
+    dilation: list[int],
+    groups: int,
+    scale: float,
+    zero_point: int,
+) -> torch.Tensor:
+    """:func:`conv_reference` for a transposed conv."""
+    inputs, weight = x.dequantize(), qweight.dequantize()
+    arguments = (stride, padding, output_padding, groups, dilation)
+    if len(stride) == 1:
+        y = F.conv_transpose1d(inputs, weight, bias, *arguments)
+    elif len(stride) == 2:
+        y = F.conv_transpose2d(inputs, weight, bias, *arguments)
+    else:
+        y = F.conv_transpose3d(inputs, weight, bias, *arguments)
+    return torch.quantize_per_tensor(y.float(), scale, zero_point, x.dtype)
+
+
+class ScriptedLinearReference(torch.nn.Module):
+    """What ``torch.jit.script`` compiles for a linear kernel that left its backend's
+    engine (``PackedWeights.left_backend_engine``): torch.jit.load would pack its
+    weight for the global engine, whose kernel is wrong for this layer, so it computes
+    the reference's numbers (float math on the dequantized input and weight)."""
+
+    bias: torch.Tensor | None
+
+    def __init__(self, kernel: torch.nn.Module) -> None:
+        super().__init__()
+        self.qweight, self.bias = kernel.qweight(), kernel.bias
+        self.scale, self.zero_point = float(kernel.scale), int(kernel.zero_point)
+        self.relu = bool(kernel.relu)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x.dequantize(), self.qweight.dequantize(), self.bias)
+        if self.relu:
+            y = torch.relu(y)
+        return torch.quantize_per_tensor(y.float(), self.scale, self.zero_point, x.dtype)
+
+
 # int8 weight, bias, stride, padding, output padding, dilation, groups, output scale
-# and zero point, relu, training
+# and zero point, relu, training, reference only
 _ConvState = tuple[
     torch.Tensor, torch.Tensor | None, list[int], list[int], list[int], list[int], int,
-    float, int, bool, bool,
+    float, int, bool, bool, bool,
 ]  # fmt: skip
 
 
@@ -106,7 +153,10 @@ class _Scripted(torch.nn.Module):
     torch.jit.save writes the int8 weight, bias and geometry (``__getstate__``) and
     torch.jit.load packs them again (``__setstate__``; torch's own serialization of
     packed convs needs an unpack that qnnpack's conv3d lacks). torch's prepack ops
-    pack for ``torch.backends.quantized.engine``: load under the kernel's engine.
+    pack for ``torch.backends.quantized.engine``: load under the kernel's engine. A
+    kernel that left its backend's engine (``PackedWeights.left_backend_engine``: the
+    backend's kernel is wrong for this layer) would load packed for the backend's:
+    its scripted form computes the reference's numbers (``reference_only``).
     """
 
     def __init__(self, kernel: torch.nn.Module) -> None:
@@ -119,6 +169,7 @@ class _Scripted(torch.nn.Module):
         self.dilation, self.groups = list(kernel.dilation), int(kernel.groups)
         self.scale, self.zero_point = float(kernel.scale), int(kernel.zero_point)
         self.relu = bool(getattr(kernel, "relu", False))
+        self.reference_only = bool(getattr(kernel, "left_backend_engine", False))
         self.checks_padding = may_read_padding_only(
             list(self.qweight.shape[2:]), self.padding, self.dilation
         )
@@ -128,6 +179,7 @@ class _Scripted(torch.nn.Module):
         return (
             self.qweight, self.bias, self.stride, self.padding, self.output_padding,
             self.dilation, self.groups, self.scale, self.zero_point, self.relu, self.training,
+            self.reference_only,
         )  # fmt: skip
 
     @torch.jit.export
@@ -138,12 +190,17 @@ class _Scripted(torch.nn.Module):
         self.scale, self.zero_point, self.relu, self.training = (
             state[7], state[8], state[9], state[10],
         )  # fmt: skip
+        self.reference_only = state[11]
         self.checks_padding = may_read_padding_only(
             list(self.qweight.shape[2:]), self.padding, self.dilation
         )
         self._packed = self._pack()
 
-    def _reads_padding_only(self, x: torch.Tensor) -> bool:
+    def _computes_reference(self, x: torch.Tensor) -> bool:
+        """Whether to compute the reference's numbers: the kernel left its backend's
+        engine, or some output of ``x`` reads padding only."""
+        if self.reference_only:
+            return True
         if not self.checks_padding:
             return False
         kernel = list(self.qweight.shape[2:])
@@ -155,6 +212,12 @@ class _Scripted(torch.nn.Module):
             self.relu, self.scale, self.zero_point,
         )  # fmt: skip
 
+    def _transposed_reference(self, x: torch.Tensor) -> torch.Tensor:
+        return conv_transpose_reference(
+            x, self.qweight, self.bias, self.stride, self.padding, self.output_padding,
+            self.dilation, self.groups, self.scale, self.zero_point,
+        )  # fmt: skip
+
 
 class ScriptedConv1d(_Scripted):
     def _pack(self) -> torch.classes.quantized.Conv2dPackedParamsBase:
@@ -163,7 +226,7 @@ class ScriptedConv1d(_Scripted):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._reads_padding_only(x):
+        if self._computes_reference(x):
             return self._reference(x)
         if self.relu:
             return torch.ops.quantized.conv1d_relu(x, self._packed, self.scale, self.zero_point)
@@ -177,7 +240,7 @@ class ScriptedConv2d(_Scripted):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._reads_padding_only(x):
+        if self._computes_reference(x):
             return self._reference(x)
         if self.relu:
             return torch.ops.quantized.conv2d_relu(x, self._packed, self.scale, self.zero_point)
@@ -191,7 +254,7 @@ class ScriptedConv3d(_Scripted):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._reads_padding_only(x):
+        if self._computes_reference(x):
             return self._reference(x)
         if self.relu:
             return torch.ops.quantized.conv3d_relu(x, self._packed, self.scale, self.zero_point)
@@ -206,6 +269,8 @@ class ScriptedConvTranspose1d(_Scripted):
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reference_only:
+            return self._transposed_reference(x)
         return torch.ops.quantized.conv_transpose1d(x, self._packed, self.scale, self.zero_point)
 
 
@@ -217,6 +282,8 @@ class ScriptedConvTranspose2d(_Scripted):
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reference_only:
+            return self._transposed_reference(x)
         return torch.ops.quantized.conv_transpose2d(x, self._packed, self.scale, self.zero_point)
 
 
@@ -228,6 +295,8 @@ class ScriptedConvTranspose3d(_Scripted):
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reference_only:
+            return self._transposed_reference(x)
         return torch.ops.quantized.conv_transpose3d(x, self._packed, self.scale, self.zero_point)
 
 

@@ -29,6 +29,7 @@ from qcore.kernels.runtime import EXACT_ENGINE
 from qcore.kernels.scripted import (
     SCRIPTED_CONV,
     SCRIPTED_CONV_TRANSPOSE,
+    ScriptedLinearReference,
     conv_reference,
     may_read_padding_only,
     reads_padding_only,
@@ -101,6 +102,9 @@ class QuantizedLinear(PackedWeights):
             f"relu={self.relu}, engine={self.engine}, scale={self.scale}, "
             f"zero_point={self.zero_point}"
         )
+
+    def __prepare_scriptable__(self) -> torch.nn.Module:
+        return ScriptedLinearReference(self) if self.left_backend_engine else self
 
     @classmethod
     def lower(cls, match: KernelMatch, relu: bool = False):
