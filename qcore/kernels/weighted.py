@@ -42,6 +42,8 @@ __all__ = [
     "QuantizedLinear",
     "conv_geometry",
     "onednn_conv_trouble",
+    "onednn_kernel_wrong_here",
+    "probed_input",
 ]
 
 _ROUNDING_STEPS = 2  # a kernel's requantization may round differently from the reference
@@ -202,7 +204,7 @@ class QuantizedConv(PackedWeights):
             kernel.lowering_note = f"computes as the reference does where {trouble}"
             return kernel
         kernel = cls(reference, match.output, relu, engine)
-        kernel.probed_input = _probed_input(found[0] if found else None, match.inputs[0])
+        kernel.probed_input = probed_input(found[0] if found else None, match.inputs[0])
         trouble = _multiplier_trouble(conv) or kernel.onednn_wrong_here()
         if trouble is not None:
             kernel.move_to(EXACT_ENGINE)
@@ -216,15 +218,10 @@ class QuantizedConv(PackedWeights):
 
     def onednn_wrong_here(self) -> str | None:
         """Why oneDNN's int8 conv (engines x86 and onednn) computes this conv's geometry
-        wrong on this CPU, or None (:func:`qcore.kernels.onednn_probe.conv_wrong_here`)."""
-        if self.engine not in ("x86", "onednn") or self.probed_input is None:
+        wrong on this CPU, or None (:func:`onednn_kernel_wrong_here`)."""
+        if self.engine not in ("x86", "onednn"):
             return None
-        out_channels, in_per_group, *kernel_size = self.weight_int.shape
-        return conv_wrong_here(
-            in_per_group * self.groups, out_channels, tuple(kernel_size), tuple(self.stride),
-            tuple(self.padding), tuple(self.dilation), self.groups, *self.probed_input,
-            self.engine,
-        )  # fmt: skip
+        return onednn_kernel_wrong_here(self, self.engine)
 
     def wrong_on_this_cpu(self) -> str | None:
         return super().wrong_on_this_cpu() or self.onednn_wrong_here()
@@ -280,7 +277,7 @@ def _wrong_on_this_cpu(
     input_qparams: ActivationQParams | None,
     engine: str,
 ) -> str | None:
-    probed = _probed_input(input_shape, input_qparams)
+    probed = probed_input(input_shape, input_qparams)
     if probed is None:
         return None
     stride, padding, dilation, groups = conv_geometry(conv)
@@ -290,7 +287,22 @@ def _wrong_on_this_cpu(
     )  # fmt: skip
 
 
-def _probed_input(
+def onednn_kernel_wrong_here(kernel: PackedWeights, engine: str = "onednn") -> str | None:
+    """Why oneDNN's int8 conv computes a conv kernel's geometry wrong on this CPU, or
+    None: :func:`qcore.kernels.onednn_probe.conv_wrong_here` on its integer weight,
+    ``stride``/``padding``/``dilation``/``groups`` and ``probed_input`` (set at
+    lowering from :func:`probed_input`; None: nothing to ask)."""
+    probed = getattr(kernel, "probed_input", None)
+    if probed is None:
+        return None
+    out_channels, in_per_group, *kernel_size = kernel.weight_int.shape
+    return conv_wrong_here(
+        in_per_group * kernel.groups, out_channels, tuple(kernel_size), tuple(kernel.stride),
+        tuple(kernel.padding), tuple(kernel.dilation), kernel.groups, *probed, engine,
+    )  # fmt: skip
+
+
+def probed_input(
     input_shape: Sequence[int] | None, input_qparams: ActivationQParams | None
 ) -> tuple | None:
     """(input shape or None, (quant_min, quant_max, zero_point)) for the probe; None

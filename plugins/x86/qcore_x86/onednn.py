@@ -39,7 +39,13 @@ from qcore.engine.reference import ReferenceModule, weighted_child
 from qcore.kernels.packed import PackedWeights
 from qcore.kernels.runtime import int8_products_saturate
 from qcore.kernels.scripted import may_read_padding_only
-from qcore.kernels.weighted import QuantizedConv, conv_geometry, onednn_conv_trouble
+from qcore.kernels.weighted import (
+    QuantizedConv,
+    conv_geometry,
+    onednn_conv_trouble,
+    onednn_kernel_wrong_here,
+    probed_input,
+)
 from qcore.plugin.kernels import ActivationQParams, Kernel, KernelMatch
 from qcore.pt2e.fused import WeightedWithPostOps
 
@@ -121,13 +127,17 @@ def _prepared_input_shape(match: KernelMatch, conv: nn.Module) -> list[int] | No
     return list(shape) if fits else None
 
 
+def _recorded_input_shape(match: KernelMatch) -> list[int] | None:
+    found = recorded(match.root.args[0] if match.root.args else None, example_sizes=True)
+    return found[0] if found else None
+
+
 def _conv_trouble(match: KernelMatch, conv: nn.Module, sizes_vary: bool) -> str | None:
     """:func:`onednn_conv_trouble` on the conv's input as prepare recorded it. Where
     the input's spatial size may vary (``sizes_vary``: FX, or a dynamic size in an
     exported graph), a dilated or over-padded conv may read padding only at some
     size, and these kernels cannot check each call as QuantizedConv does."""
-    found = recorded(match.root.args[0] if match.root.args else None, example_sizes=True)
-    trouble = onednn_conv_trouble(conv, found[0] if found else None, match.inputs[0])
+    trouble = onednn_conv_trouble(conv, _recorded_input_shape(match), match.inputs[0])
     _, padding, dilation, _ = conv_geometry(conv)
     if (
         trouble is None
@@ -254,9 +264,14 @@ class OnednnConv(_OnednnWeighted):
             raise ValueError(
                 "an int8 output needs an int8 residual (oneDNN sums in the output's dtype)"
             )
+        # What the CPU loading the model asks again (PackedWeights.check_on_load).
+        self.probed_input = probed_input(_recorded_input_shape(match), match.inputs[0])
         self.repack()
 
     pack = _prepack_conv
+
+    def wrong_on_this_cpu(self) -> str | None:
+        return super().wrong_on_this_cpu() or onednn_kernel_wrong_here(self)
 
     def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
         weight = (self._packed, self._w_scale, self._w_zero_point, self.bias)
@@ -351,6 +366,7 @@ class OnednnPackedConvAdd(QuantizedConv):
         if trouble is not None:
             raise ValueError(trouble)
         super().__init__(reference, match.output, relu, "onednn")
+        self.probed_input = probed_input(_recorded_input_shape(match), match.inputs[0])
         self.residual_used_elsewhere = _residual_used_elsewhere(match.root)
 
     def repack(self) -> None:

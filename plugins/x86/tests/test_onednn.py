@@ -271,3 +271,32 @@ def test_loaded_on_a_cpu_whose_sums_saturate_a_kernel_converted_with_vnni_says_s
     assert len(messages) == 1 and "convert the model again on this CPU" in messages[0]
     reason = qcore.explain(loaded)[f"{kind}{'2d' if kind == 'conv' else ''}_reference"].reason
     assert reason.startswith("may compute wrong numbers on this CPU: its input uses all 8 bits")
+
+
+def test_loaded_on_a_cpu_whose_onednn_gets_the_geometry_wrong_a_pt2e_conv_says_so(monkeypatch):
+    """The probe asked again on the loading CPU (made wrong here): oneDNN's PT2E conv
+    cannot move to another engine, so loading warns and explain names the layer."""
+    from qcore.kernels import onednn_probe
+
+    prepared, _ = _quantize("conv", "relu", False, False)
+    lowered = qcore.convert_pt2e(prepared)
+    assert set(_kernels(lowered).values()) == {"x86.onednn_conv"}
+
+    def garbage(x, packed, scale, zero_point):
+        return torch.quantize_per_tensor(torch.rand(1, 8, 6, 6) * 9, 0.05, 64, torch.quint8)
+
+    monkeypatch.setitem(onednn_probe._QUANTIZED_CONVS, 2, garbage)
+    onednn_probe.onednn_conv_wrong_here.cache_clear()
+    buffer = io.BytesIO()
+    torch.save(lowered, buffer)
+    buffer.seek(0)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            loaded = torch.load(buffer, weights_only=False)
+    finally:
+        onednn_probe.onednn_conv_wrong_here.cache_clear()
+    messages = [str(w.message) for w in caught if "qcore" in str(w.message)]
+    assert len(messages) == 1 and "convert the model again on this CPU" in messages[0]
+    reason = qcore.explain(loaded)["conv2d_reference"].reason
+    assert reason.startswith("may compute wrong numbers on this CPU: oneDNN's int8 conv")
