@@ -53,7 +53,7 @@ def _loaded_with_warnings(load, model: nn.Module) -> tuple[nn.Module, list[str]]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")  # what a user sees: each text once per place
         loaded = load(model)
-    return loaded, [str(w.message) for w in caught if "qcore" in str(w.message)]
+    return loaded, [str(w.message) for w in caught if issubclass(w.category, qcore.QCoreWarning)]
 
 
 def _saturating_model(monkeypatch, backend: str):

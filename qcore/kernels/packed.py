@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from qcore.config.errors import QCoreWarning
 from qcore.engine.reference import QParams, ReferenceModule, weighted_child
 from qcore.kernels.runtime import (
     EXACT_ENGINE,
@@ -181,7 +182,7 @@ class PackedWeights(OutputQParamsState):
             warn_adapted_on_load()
         else:
             self.load_note = f"may compute wrong numbers on this CPU: {trouble}"
-            warnings.warn(_WRONG_ON_LOAD, UserWarning, stacklevel=2)
+            warnings.warn(_WRONG_ON_LOAD, QCoreWarning, stacklevel=2)
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         super()._load_from_state_dict(*args, **kwargs)
@@ -201,18 +202,18 @@ class PackedWeights(OutputQParamsState):
 
 def warn_adapted_on_load() -> None:
     """The one warning for kernels that changed how they run on the CPU loading them."""
-    warnings.warn(_ADAPTED_ON_LOAD, UserWarning, stacklevel=3)
+    warnings.warn(_ADAPTED_ON_LOAD, QCoreWarning, stacklevel=3)
 
 
 # One text each, so Python's warning filter shows each once however many kernels moved.
 _ADAPTED_ON_LOAD = (
-    "qcore: this model was converted on a CPU whose int8 kernels differ from this one's; "
+    "This model was converted on a CPU whose int8 kernels differ from this one's; "
     "the layers this CPU would compute wrong as converted run another way here "
     f"({EXACT_ENGINE}'s kernel, or 7-bit dynamic inputs). qcore.explain(model) names them; "
     "convert on this CPU for its own choice"
 )
 _WRONG_ON_LOAD = (
-    "qcore: this model was converted on a CPU whose int8 kernels differ from this one's; "
+    "This model was converted on a CPU whose int8 kernels differ from this one's; "
     "some of its layers compute wrong numbers here and cannot move to another engine. "
     "qcore.explain(model) names them: convert the model again on this CPU"
 )
