@@ -132,6 +132,7 @@ def test_a_conv_geometry_onednn_gets_wrong_on_the_loading_cpu_moves_to_the_exact
         return torch.quantize_per_tensor(torch.rand(1, 8, 10) * 9, 0.05, 64, torch.quint8)
 
     monkeypatch.setitem(onednn_probe._QUANTIZED_CONVS, 1, garbage)
+    monkeypatch.setattr(onednn_probe, "cpu_fingerprint", lambda: "another kind of CPU")
     onednn_probe.onednn_conv_wrong_here.cache_clear()
     try:
         loaded, messages = _loaded_with_warnings(_pickled, lowered)
@@ -182,3 +183,28 @@ def test_dynamic_kernels_take_7_bit_inputs_on_a_loading_cpu_whose_sums_saturate(
     on_this_cpu = qcore.convert_fx(qcore.prepare_fx(model, mapping, (x,), "fbgemm"))
     with torch.no_grad():
         assert torch.equal(loaded(x), on_this_cpu(x))
+
+
+@pytest.mark.skipif(not installed("x86"), reason="the x86 plugin is not installed")
+def test_a_model_loaded_on_the_kind_of_cpu_that_converted_it_is_not_probed_again(
+    monkeypatch,
+) -> None:
+    """The probe (a few to tens of milliseconds a geometry) ran at lowering on this
+    kind of CPU: loading here skips it; on another kind it runs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(4, 8, 3, padding=1), nn.ReLU()).eval()
+    prepared = qcore.prepare_fx(model, None, (torch.randn(2, 4, 10),), "x86")
+    prepared(torch.randn(2, 4, 10))
+    lowered = qcore.convert_fx(prepared)
+    if lowered.get_submodule("0").engine != "x86":
+        pytest.skip("this CPU's oneDNN computes this geometry wrong")
+    asked = []
+    probe = onednn_probe.onednn_conv_wrong_here.__wrapped__
+    monkeypatch.setattr(
+        onednn_probe, "onednn_conv_wrong_here", lambda *a: asked.append(a) or probe(*a)
+    )
+    _pickled(lowered)
+    assert asked == []
+    monkeypatch.setattr(onednn_probe, "cpu_fingerprint", lambda: "another kind of CPU")
+    _pickled(lowered)
+    assert len(asked) == 1

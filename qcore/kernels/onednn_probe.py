@@ -16,20 +16,43 @@ CPU, not to the weights.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import platform
 
 import torch
 import torch.nn.functional as F
 
 from qcore.kernels.runtime import packed_for
 
-__all__ = ["conv_wrong_here", "onednn_conv_wrong_here"]
+__all__ = ["conv_wrong_here", "cpu_fingerprint", "onednn_conv_wrong_here"]
 
 _PROBED_SIZE = 64  # each spatial size at most: the faults found depend on the geometry
 _STEPS_OFF = 2  # rounding differs by one step between int8 and float paths; the fault by 40+
 _QUANTIZED_CONVS = {1: torch.ops.quantized.conv1d, 2: torch.ops.quantized.conv2d}
 _PREPACKS = {1: torch.ops.quantized.conv1d_prepack, 2: torch.ops.quantized.conv2d_prepack}
 _FLOAT_CONVS = {1: F.conv1d, 2: F.conv2d}
+
+
+@functools.cache
+def cpu_fingerprint() -> str:
+    """What tells this CPU's kind from another's, for a kernel to know it was probed
+    on this kind already (a model loaded where it was converted skips the probes, a
+    few to tens of milliseconds each): the architecture, torch's CPU capability, the
+    int8 dot-product extensions and the model name."""
+    name = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        name = next(
+            (line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), ""
+        )
+    parts = (
+        platform.machine(),
+        torch.backends.cpu.get_cpu_capability(),
+        f"vnni={torch.cpu._is_vnni_supported()}",
+        f"amx={torch.cpu._is_amx_tile_supported()}",
+        name or platform.processor(),
+    )
+    return ", ".join(parts)
 
 
 def conv_wrong_here(

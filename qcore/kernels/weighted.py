@@ -23,6 +23,7 @@ import torch
 from qcore.engine.conv_padding import explicit_padding
 from qcore.engine.kernel_check import recorded
 from qcore.engine.reference import ReferenceModule, weighted_child
+from qcore.kernels import onednn_probe
 from qcore.kernels.onednn_probe import conv_wrong_here
 from qcore.kernels.packed import PackedWeights
 from qcore.kernels.runtime import EXACT_ENGINE
@@ -42,6 +43,7 @@ __all__ = [
     "QuantizedLinear",
     "conv_geometry",
     "onednn_conv_trouble",
+    "mark_probed",
     "onednn_kernel_wrong_here",
     "probed_input",
 ]
@@ -206,6 +208,7 @@ class QuantizedConv(PackedWeights):
         kernel = cls(reference, match.output, relu, engine)
         kernel.probed_input = probed_input(found[0] if found else None, match.inputs[0])
         trouble = _multiplier_trouble(conv) or kernel.onednn_wrong_here()
+        kernel.probed_on = onednn_probe.cpu_fingerprint()  # asked: see mark_probed
         if trouble is not None:
             kernel.move_to(EXACT_ENGINE)
             kernel.lowering_note = f"runs on {EXACT_ENGINE}'s kernel: {trouble}"
@@ -291,15 +294,23 @@ def onednn_kernel_wrong_here(kernel: PackedWeights, engine: str = "onednn") -> s
     """Why oneDNN's int8 conv computes a conv kernel's geometry wrong on this CPU, or
     None: :func:`qcore.kernels.onednn_probe.conv_wrong_here` on its integer weight,
     ``stride``/``padding``/``dilation``/``groups`` and ``probed_input`` (set at
-    lowering from :func:`probed_input`; None: nothing to ask)."""
+    lowering from :func:`probed_input`; None: nothing to ask). A kernel lowered on
+    this kind of CPU (``probed_on``, :func:`mark_probed`) was asked then."""
     probed = getattr(kernel, "probed_input", None)
-    if probed is None:
-        return None
+    if probed is None or getattr(kernel, "probed_on", None) == onednn_probe.cpu_fingerprint():
+        return None  # nothing to ask, or asked at lowering on this kind of CPU
     out_channels, in_per_group, *kernel_size = kernel.weight_int.shape
     return conv_wrong_here(
         in_per_group * kernel.groups, out_channels, tuple(kernel_size), tuple(kernel.stride),
         tuple(kernel.padding), tuple(kernel.dilation), kernel.groups, *probed, engine,
     )  # fmt: skip
+
+
+def mark_probed(kernel: PackedWeights, input_shape: Sequence[int] | None, input_qparams) -> None:
+    """Record, at lowering, what the CPU loading ``kernel`` asks oneDNN again
+    (``probed_input``) and the kind of CPU that answered already (``probed_on``)."""
+    kernel.probed_input = probed_input(input_shape, input_qparams)
+    kernel.probed_on = onednn_probe.cpu_fingerprint()
 
 
 def probed_input(

@@ -42,9 +42,9 @@ from qcore.kernels.scripted import may_read_padding_only
 from qcore.kernels.weighted import (
     QuantizedConv,
     conv_geometry,
+    mark_probed,
     onednn_conv_trouble,
     onednn_kernel_wrong_here,
-    probed_input,
 )
 from qcore.plugin.kernels import ActivationQParams, Kernel, KernelMatch
 from qcore.pt2e.fused import WeightedWithPostOps
@@ -265,7 +265,7 @@ class OnednnConv(_OnednnWeighted):
                 "an int8 output needs an int8 residual (oneDNN sums in the output's dtype)"
             )
         # What the CPU loading the model asks again (PackedWeights.check_on_load).
-        self.probed_input = probed_input(_recorded_input_shape(match), match.inputs[0])
+        mark_probed(self, _recorded_input_shape(match), match.inputs[0])
         self.repack()
 
     pack = _prepack_conv
@@ -366,7 +366,7 @@ class OnednnPackedConvAdd(QuantizedConv):
         if trouble is not None:
             raise ValueError(trouble)
         super().__init__(reference, match.output, relu, "onednn")
-        self.probed_input = probed_input(_recorded_input_shape(match), match.inputs[0])
+        mark_probed(self, _recorded_input_shape(match), match.inputs[0])
         self.residual_used_elsewhere = _residual_used_elsewhere(match.root)
 
     def repack(self) -> None:

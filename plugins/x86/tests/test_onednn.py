@@ -286,6 +286,7 @@ def test_loaded_on_a_cpu_whose_onednn_gets_the_geometry_wrong_a_pt2e_conv_says_s
         return torch.quantize_per_tensor(torch.rand(1, 8, 6, 6) * 9, 0.05, 64, torch.quint8)
 
     monkeypatch.setitem(onednn_probe._QUANTIZED_CONVS, 2, garbage)
+    monkeypatch.setattr(onednn_probe, "cpu_fingerprint", lambda: "another kind of CPU")
     onednn_probe.onednn_conv_wrong_here.cache_clear()
     buffer = io.BytesIO()
     torch.save(lowered, buffer)
