@@ -33,7 +33,7 @@ from torch.fx import GraphModule, Node
 
 from qcore.engine.conv_padding import explicit_padding, per_dim
 from qcore.engine.kernel_check import recorded
-from qcore.kernels.onednn_probe import conv_wrong_here
+from qcore.kernels.onednn_probe import ConvGeometry, conv_wrong_here
 from qcore.kernels.scripted import reads_padding_only
 
 __all__ = ["float_weights_where_padding_only"]
@@ -136,12 +136,8 @@ def _wrong_on_this_cpu(gm: GraphModule, conv: Node, weight_shape: torch.Size) ->
         return False  # not an int8 conv Inductor would lower
     stride, padding, dilation = geometry
     found = recorded(conv.args[0], gm, example_sizes=True)
-    trouble = conv_wrong_here(
-        weight_shape[1] * groups, weight_shape[0], tuple(kernel), tuple(stride),
-        tuple(padding), tuple(dilation), groups, tuple(found[0]) if found else None,
-        input_range,
-    )  # fmt: skip
-    return trouble is not None
+    geometry = ConvGeometry.of_weight(weight_shape, stride, padding, dilation, groups)
+    return conv_wrong_here(geometry, found[0] if found else None, input_range) is not None
 
 
 def _uint8_input_range(x: object) -> tuple[int, int, int] | None:

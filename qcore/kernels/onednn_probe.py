@@ -19,13 +19,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import platform
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from qcore.kernels.runtime import packed_for
 
-__all__ = ["conv_wrong_here", "cpu_fingerprint", "onednn_conv_wrong_here"]
+__all__ = ["ConvGeometry", "conv_wrong_here", "cpu_fingerprint", "onednn_conv_wrong_here"]
 
 _PROBED_SIZE = 64  # each spatial size at most: the faults found depend on the geometry
 _STEPS_OFF = 2  # rounding differs by one step between int8 and float paths; the fault by 40+
@@ -55,40 +57,56 @@ def cpu_fingerprint() -> str:
     return ", ".join(parts)
 
 
+@dataclass(frozen=True)
+class ConvGeometry:
+    """What decides whether oneDNN's int8 conv computes a conv right on a CPU (its
+    weights' values do not): channels, kernel size, stride, padding, dilation, groups."""
+
+    in_channels: int
+    out_channels: int
+    kernel_size: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    groups: int
+
+    @classmethod
+    def of_weight(
+        cls,
+        weight_shape: Sequence[int],
+        stride: Sequence[int],
+        padding: Sequence[int],
+        dilation: Sequence[int],
+        groups: int,
+    ) -> ConvGeometry:
+        """The geometry of a conv with a weight of ``weight_shape`` (out, in / groups, *kernel)."""
+        out_channels, in_per_group, *kernel_size = weight_shape
+        return cls(
+            in_per_group * groups, out_channels, tuple(kernel_size), tuple(stride),
+            tuple(padding), tuple(dilation), groups,
+        )  # fmt: skip
+
+
 def conv_wrong_here(
-    in_channels: int,
-    out_channels: int,
-    kernel_size: tuple[int, ...],
-    stride: tuple[int, ...],
-    padding: tuple[int, ...],
-    dilation: tuple[int, ...],
-    groups: int,
-    input_shape: tuple[int, ...] | None,
+    geometry: ConvGeometry,
+    input_shape: Sequence[int] | None,
     input_range: tuple[int, int, int],
     engine: str = "onednn",
 ) -> str | None:
     """:func:`onednn_conv_wrong_here` at the spatial size of ``input_shape`` (the one
     prepare recorded; each size capped), or one the kernel covers where none is."""
-    dims = len(kernel_size)
+    dims = len(geometry.kernel_size)
     if input_shape is not None and len(input_shape) == dims + 2:
         spatial = tuple(min(size, _PROBED_SIZE) for size in input_shape[2:])
     else:
-        spatial = tuple((k - 1) * d + 8 for k, d in zip(kernel_size, dilation, strict=True))
-    return onednn_conv_wrong_here(
-        in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
-        spatial, input_range, engine,
-    )  # fmt: skip
+        pairs = zip(geometry.kernel_size, geometry.dilation, strict=True)
+        spatial = tuple((k - 1) * d + 8 for k, d in pairs)
+    return onednn_conv_wrong_here(geometry, spatial, input_range, engine)
 
 
 @functools.cache
 def onednn_conv_wrong_here(
-    in_channels: int,
-    out_channels: int,
-    kernel_size: tuple[int, ...],
-    stride: tuple[int, ...],
-    padding: tuple[int, ...],
-    dilation: tuple[int, ...],
-    groups: int,
+    geometry: ConvGeometry,
     spatial: tuple[int, ...],
     input_range: tuple[int, int, int],
     engine: str = "onednn",
@@ -100,6 +118,9 @@ def onednn_conv_wrong_here(
     kernel packs for (torch's x86 engine hands convs with over 100 groups to fbgemm,
     whose sums of 8-bit inputs saturate: that is not this fault, and lowering packs
     those for onednn)."""
+    in_channels, out_channels, groups = geometry.in_channels, geometry.out_channels, geometry.groups
+    kernel_size = geometry.kernel_size
+    stride, padding, dilation = geometry.stride, geometry.padding, geometry.dilation
     dims = len(kernel_size)
     if dims not in _QUANTIZED_CONVS:
         return None

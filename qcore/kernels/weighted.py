@@ -24,7 +24,7 @@ from qcore.engine.conv_padding import explicit_padding
 from qcore.engine.kernel_check import recorded
 from qcore.engine.reference import ReferenceModule, weighted_child
 from qcore.kernels import onednn_probe
-from qcore.kernels.onednn_probe import conv_wrong_here
+from qcore.kernels.onednn_probe import ConvGeometry, conv_wrong_here
 from qcore.kernels.packed import PackedWeights
 from qcore.kernels.runtime import EXACT_ENGINE
 from qcore.kernels.scripted import (
@@ -205,10 +205,12 @@ class QuantizedConv(PackedWeights):
             kernel = cls(reference, match.output, relu, engine)
             kernel.lowering_note = f"computes as the reference does where {trouble}"
             return kernel
+        input_shape = found[0] if found else None
+        trouble = _multiplier_trouble(conv) or _wrong_on_this_cpu(
+            conv, input_shape, match.inputs[0], engine
+        )
         kernel = cls(reference, match.output, relu, engine)
-        kernel.probed_input = probed_input(found[0] if found else None, match.inputs[0])
-        trouble = _multiplier_trouble(conv) or kernel.onednn_wrong_here()
-        kernel.probed_on = onednn_probe.cpu_fingerprint()  # asked: see mark_probed
+        mark_probed(kernel, input_shape, match.inputs[0])
         if trouble is not None:
             kernel.move_to(EXACT_ENGINE)
             kernel.lowering_note = f"runs on {EXACT_ENGINE}'s kernel: {trouble}"
@@ -283,11 +285,9 @@ def _wrong_on_this_cpu(
     probed = probed_input(input_shape, input_qparams)
     if probed is None:
         return None
-    stride, padding, dilation, groups = conv_geometry(conv)
-    return conv_wrong_here(
-        conv.in_channels, conv.out_channels, tuple(conv.kernel_size), tuple(stride),
-        tuple(padding), tuple(dilation), groups, *probed, engine,
-    )  # fmt: skip
+    weight_shape = (conv.out_channels, conv.in_channels // conv.groups, *conv.kernel_size)
+    geometry = ConvGeometry.of_weight(weight_shape, *conv_geometry(conv))
+    return conv_wrong_here(geometry, *probed, engine)
 
 
 def onednn_kernel_wrong_here(kernel: PackedWeights, engine: str = "onednn") -> str | None:
@@ -299,11 +299,10 @@ def onednn_kernel_wrong_here(kernel: PackedWeights, engine: str = "onednn") -> s
     probed = getattr(kernel, "probed_input", None)
     if probed is None or getattr(kernel, "probed_on", None) == onednn_probe.cpu_fingerprint():
         return None  # nothing to ask, or asked at lowering on this kind of CPU
-    out_channels, in_per_group, *kernel_size = kernel.weight_int.shape
-    return conv_wrong_here(
-        in_per_group * kernel.groups, out_channels, tuple(kernel_size), tuple(kernel.stride),
-        tuple(kernel.padding), tuple(kernel.dilation), kernel.groups, *probed, engine,
-    )  # fmt: skip
+    geometry = ConvGeometry.of_weight(
+        kernel.weight_int.shape, kernel.stride, kernel.padding, kernel.dilation, kernel.groups
+    )
+    return conv_wrong_here(geometry, *probed, engine)
 
 
 def mark_probed(kernel: PackedWeights, input_shape: Sequence[int] | None, input_qparams) -> None:
