@@ -33,3 +33,4 @@ def backend_params(names=FIRST_PARTY) -> list:
 
 
 requires_fbgemm = pytest.mark.skipif(not installed("fbgemm"), reason="needs the fbgemm plugin")
+requires_qnnpack = pytest.mark.skipif(not installed("qnnpack"), reason="needs the qnnpack plugin")

@@ -6,7 +6,8 @@
   PT2E) and the algorithms could not see them. An even kernel's "same" (asymmetric
   in torch) stays in reference form, with the reason.
 - Linears written as ``torch.addmm(bias, x, weight)`` (transformers' Conv1D, all of
-  GPT-2's projections), on PT2E: they stayed float.
+  GPT-2's projections), on PT2E and FX: they stayed float, and on FX the views
+  around them were quantized for nothing.
 
 Each lowered model must equal, bit for bit, the same model written the usual way.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backends import backend_params
+from backends import backend_params, requires_qnnpack
 
 import qcore
 from qcore.engine.conv_padding import explicit_padding
@@ -183,6 +184,52 @@ def test_addmm_linears_run_on_kernels_as_their_nn_linear_twins(backend):
         assert torch.equal(lowered(*batch), twin(*batch))
     # the user's model is untouched: its Conv1D weights are still (in, out)
     assert addmm.up.weight.shape == (16, 32)
+
+
+def _fx(model: torch.nn.Module, backend: str, mapping: object, reference: bool = False):
+    generator = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(2, 5, 16, generator=generator),) for _ in range(3)]
+    prepared = qcore.prepare_fx(model, mapping, batches[0], backend=backend)
+    with torch.no_grad():
+        for batch in batches:
+            prepared(*batch)
+    convert = qcore.convert_to_reference_fx if reference else qcore.convert_fx
+    return convert(prepared), batches
+
+
+def _linears(model: torch.nn.Module) -> list:
+    return [e for e in qcore.explain(model) if e.op == "linear"]
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_fx_addmm_linears_run_on_kernels_as_their_nn_linear_twins(backend):
+    from torch.ao.quantization import get_default_qconfig_mapping
+
+    mapping = get_default_qconfig_mapping(backend)
+    addmm, linear = _addmm_and_linear_twins()
+    lowered, batches = _fx(addmm, backend, mapping)
+    twin, _ = _fx(linear, backend, mapping)
+    layers = _linears(lowered)
+    assert [e.status.name for e in layers] == ["QUANTIZED", "QUANTIZED"], layers
+    assert [e.kernel for e in layers] == [e.kernel for e in _linears(twin)]
+    reference, _ = _fx(addmm, backend, mapping, reference=True)
+    twin_reference, _ = _fx(linear, backend, mapping, reference=True)
+    for batch in batches:
+        assert torch.equal(lowered(*batch), twin(*batch))
+        assert torch.equal(reference(*batch), twin_reference(*batch))
+    assert addmm.up.weight.shape == (16, 32)  # the user's Conv1D is untouched
+
+
+@requires_qnnpack
+def test_fx_addmm_linear_follows_its_modules_qconfig():
+    """The rewritten node keeps its module path: a QConfig of None by module name
+    keeps that projection float, the other quantized."""
+    from torch.ao.quantization import get_default_qconfig_mapping
+
+    mapping = get_default_qconfig_mapping("qnnpack").set_module_name("down", None)
+    addmm, _ = _addmm_and_linear_twins()
+    lowered, _ = _fx(addmm, "qnnpack", mapping)
+    assert [e.status.name for e in _linears(lowered)] == ["QUANTIZED", "FLOAT"]
 
 
 def test_a_quantizer_of_ones_own_sees_the_exported_graph_as_is():

@@ -24,6 +24,7 @@ __all__ = [
     "RANDOM_WORDS",
     "Constants",
     "attribute",
+    "free_name",
     "observe_constants",
     "reached_by_inputs",
     "unobserved",
@@ -116,6 +117,15 @@ def _pure(node: Node) -> bool:
     if node.op == "call_function" and node.is_impure():
         return False
     return not any(word in _name(node) for word in RANDOM_WORDS)
+
+
+def free_name(gm: GraphModule, base: str) -> str:
+    """``base``, or ``base_1``, ``base_2``... : the first name no attribute of ``gm`` has."""
+    name, index = base, 0
+    while hasattr(gm, name):
+        index += 1
+        name = f"{base}_{index}"
+    return name
 
 
 def attribute(gm: GraphModule, target: str) -> Any:

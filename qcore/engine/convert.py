@@ -18,7 +18,7 @@ from torch.nn.utils import parametrize
 
 from qcore import ops
 from qcore.engine.backend_annotator import is_quantized_dtype
-from qcore.engine.constants import Constants, attribute, unobserved
+from qcore.engine.constants import Constants, attribute, free_name, unobserved
 from qcore.engine.explain import Entry, Report, Status, attach_report, report_of
 from qcore.engine.in_place import eliminate_dead_code_keeping_state_writes
 from qcore.engine.observe import DerivedObserver
@@ -213,7 +213,7 @@ def _functional_weighted_to_modules(gm: GraphModule, state: PreparedState) -> No
                 observer(weight)
         qparams = qparams_of(observer, full_range=True)
         kind = type(module)
-        name = _free_name(gm, f"{node.name}_{kind.__name__.lower()}")
+        name = free_name(gm, f"{node.name}_{kind.__name__.lower()}")
         gm.add_submodule(name, ReferenceModule(module, {"weight": qparams}, kind))
         node.op, node.target, node.args, node.kwargs = "call_module", name, (x,), {}
 
@@ -249,14 +249,6 @@ def _freeze_tensor_metadata(gm: GraphModule) -> None:
                 gm.graph.erase_node(user)
         if not node.users:
             gm.graph.erase_node(node)
-
-
-def _free_name(gm: GraphModule, base: str) -> str:
-    name, index = base, 0
-    while hasattr(gm, name):
-        index += 1
-        name = f"{base}_{index}"
-    return name
 
 
 def _qparams_constants(qparams: QParams) -> tuple:

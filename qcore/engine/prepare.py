@@ -20,6 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from qcore.config import BackendConfig, BackendPatternConfig, DTypeConfig
 from qcore.config.compat import observer_facts_reused
 from qcore.config.errors import QCoreWarning, caller_stacklevel
+from qcore.engine.addmm import linear_from_addmm
 from qcore.engine.backend_annotator import Decision, annotate_with_backend_config, spec_from_ctr
 from qcore.engine.boundaries import output_values
 from qcore.engine.collector import collector_paused
@@ -284,6 +285,7 @@ def prepare(
     """``prepare_standalone(module, settings, qconfig)`` prepares a standalone submodule
     (needed when ``custom_config`` names any)."""
     gm = trace(model, custom_config, example_inputs)
+    linear_from_addmm(gm, torch.addmm, torch.nn.functional.linear)
     in_eval = _eval_modules(gm) if is_qat else {}
     frozen_fused: set[str] = set()
     if is_qat:

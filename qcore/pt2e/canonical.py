@@ -19,8 +19,8 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.operator_schemas import normalize_function
 
+from qcore.engine.addmm import linear_from_addmm as rewrite_addmm
 from qcore.engine.conv_padding import explicit_padding, per_dim
-from qcore.pt2e.fold import _attr
 
 __all__ = ["canonicalize", "explicit_conv_padding", "linear_from_addmm"]
 
@@ -73,32 +73,7 @@ def linear_from_addmm(gm: GraphModule) -> int:
     a 2-D constant, bias a 1-D constant and scalars 1 into ``aten.linear`` on the
     weight transposed (a new parameter, so a weight used elsewhere is left as it
     is); returns how many."""
-    rewritten = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not aten.addmm.default:
-            continue
-        if len(node.args) != 3 or any(node.kwargs.get(k, 1) != 1 for k in ("beta", "alpha")):
-            continue
-        bias_node, x, weight_node = node.args
-        weight, bias = _attr(gm, weight_node), _attr(gm, bias_node)
-        if weight is None or bias is None or weight.dim() != 2 or bias.dim() != 1:
-            continue
-        if bias.shape[0] != weight.shape[1]:
-            continue
-        name = f"{node.name}_linear_weight"
-        transposed = weight.detach().t().contiguous()
-        gm.register_parameter(name, torch.nn.Parameter(transposed, weight.requires_grad))
-        with gm.graph.inserting_before(node):
-            transposed_node = gm.graph.get_attr(name)
-        transposed_node.meta["val"] = transposed
-        node.target = aten.linear.default
-        node.args = (x, transposed_node, bias_node)
-        node.kwargs = {}
-        rewritten += 1
-    if rewritten:
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    return rewritten
+    return rewrite_addmm(gm, aten.addmm.default, aten.linear.default)
 
 
 def canonicalize(gm: GraphModule) -> int:
