@@ -76,3 +76,38 @@ def test_a_write_through_a_view_read_elsewhere_is_refused_with_the_way_out(backe
     exported = torch.export.export(WriteThroughView().eval(), (x,)).module()
     with pytest.raises(AliasedWriteError, match=r"add_.*run_decompositions\(\{\}\)"):
         qcore.prepare_pt2e(exported, backend)
+
+
+class WritesStateAndThroughAView(torch.nn.Module):
+    """transformers' RWKV, reduced: state written in forward, a dtype cast, and a
+    write through a view read elsewhere (which prepare refuses unfunctionalized)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(4, 4, 1)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        a = self.conv(x.to(torch.float32))
+        a.view(2, 64).add_(1.0)
+        return a * 2
+
+
+@pytest.mark.parametrize("backend", backend_params(("fbgemm", "qnnpack", "x86")))
+def test_the_way_out_the_refusal_gives_works(backend: str) -> None:
+    """The functionalized module has nodes torch.export leaves without meta['val']
+    (``_assert_tensor_metadata`` for the cast, the ``copy_`` writing the buffer back):
+    prepare used to refuse it as not exported, so the advice led nowhere."""
+    model, x = WritesStateAndThroughAView().eval(), torch.randn(2, 4, 4, 4)
+    exported = torch.export.export(model, (x,))
+    with pytest.raises(AliasedWriteError, match=r"run_decompositions\(\{\}\)"):
+        qcore.prepare_pt2e(exported.module(), backend)
+    functionalized = exported.run_decompositions({}).module()
+    assert any("val" not in n.meta for n in functionalized.graph.nodes if n.op == "call_function")
+    quantized = _quantized(functionalized, backend, x)
+    with torch.no_grad():
+        expected = model(x)
+        error = float((quantized(x) - expected).abs().max())
+    assert error < 0.05 * float(expected.abs().max())

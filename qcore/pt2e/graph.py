@@ -41,6 +41,18 @@ def _is_export_guard(gm: GraphModule, node: Node) -> bool:
     return type(gm.get_submodule(node.target)).__name__ == "GuardsFn"
 
 
+def _unlifted_without_value(node: Node) -> bool:
+    """Nodes a valid exported module has without meta['val']: ops returning nothing
+    (``aten._assert_tensor_metadata``, which run_decompositions leaves) and the
+    ``copy_`` that ``ExportedProgram.module()`` writes back into a mutated buffer or
+    parameter with."""
+    if node.op != "call_function":
+        return False
+    schema = getattr(node.target, "_schema", None)
+    written_back = node.target is torch.ops.aten.copy_.default and not node.users
+    return written_back or (schema is not None and not schema.returns)
+
+
 def as_exported_module(model: Any, *, require_export: bool = True) -> GraphModule:
     """The GraphModule of an ExportedProgram, or ``model`` if it is one already.
 
@@ -63,6 +75,8 @@ def as_exported_module(model: Any, *, require_export: bool = True) -> GraphModul
             )
     for node in model.graph.nodes:
         if node.op in ("placeholder", "call_function") and "val" not in node.meta:
+            if _unlifted_without_value(node):
+                continue
             raise TypeError(
                 f"model: node {node.name!r} ({node.op}) has no meta['val'], which "
                 f"torch.export records on every node; {_EXPORT_HINT}"
