@@ -529,3 +529,38 @@ def test_this_stops_run_time_paths_read_no_global_engine(backend):
         with global_engine(engine):
             got = _outputs(converted, narrow) + _outputs(converted, batches[0])
         assert _differing(expected, got) == 0.0, engine
+
+
+def test_a_prepack_that_fails_under_a_user_threads_engine_is_tried_again():
+    """Under some other engine torch's prepack raises (``Didn't find engine for
+    operation quantized::conv2d_prepack X86``): lowering caught that and left the layer
+    in reference form, 1 of 600 conversions in the test above under load. The pack is
+    tried again under the kernel's engine; an error under that engine still raises."""
+    from qcore.kernels.runtime import packed_for
+
+    if len(ENGINES) < 2:
+        pytest.skip("needs two quantized engines")
+    engine, other = ENGINES[0], ENGINES[1]
+    user_engine = torch.backends.quantized.engine
+    calls = []
+
+    def pack_raced_once() -> str:
+        calls.append(torch.backends.quantized.engine)
+        if len(calls) == 1:
+            torch.backends.quantized.engine = other  # a user thread, mid-pack
+            raise RuntimeError(
+                f"Didn't find engine for operation quantized::conv2d_prepack {other}"
+            )
+        return "packed"
+
+    try:
+        assert packed_for(engine, pack_raced_once) == "packed"
+        assert calls == [engine, engine]
+
+        def pack_failing() -> str:
+            raise RuntimeError("a real prepack error")
+
+        with pytest.raises(RuntimeError, match="a real prepack error"):
+            packed_for(engine, pack_failing)
+    finally:
+        torch.backends.quantized.engine = user_engine

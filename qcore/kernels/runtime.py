@@ -183,10 +183,17 @@ def packed_for(engine: str, pack: Callable[[], Any]) -> Any:
     The lock keeps qcore's threads apart, not the user's: one may set the global
     while ``pack`` runs, and torch's prepack then packs for that engine (outputs a
     step off, or many where ``engine`` was chosen for exact sums). So it packs again
-    until a call starts and ends under ``engine``."""
+    until a call starts and ends under ``engine``; a prepack that raised under another
+    engine (torch has no x86 conv prepack for some weights) is tried again too, else
+    lowering would leave that layer in reference form."""
     for _ in range(_PACKING_ATTEMPTS):
         with packing_for(engine):
-            packed = pack()
+            try:
+                packed = pack()
+            except RuntimeError:
+                if torch.backends.quantized.engine == engine:
+                    raise
+                continue
             if torch.backends.quantized.engine == engine:
                 return packed
     raise RuntimeError(
