@@ -587,6 +587,176 @@ MORE: dict[str, tuple[str, Callable[[], nn.Module], Callable]] = {
 }
 
 
+def _mono_audio(seed, batches):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(M.BATCH, 1, 800, generator=g) * 0.3,) for _ in range(batches)]
+
+
+def _fbank(seed, batches):
+    """Speech2Text's input: (batch, frames, 24 filter banks)."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(M.BATCH, 16, 24, generator=g),) for _ in range(batches)]
+
+
+class EncodecCodec(nn.Module):
+    """EnCodec's encoder then decoder (its codebooks are not a float function)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.encoder, self.decoder = model.encoder, model.decoder
+
+    def forward(self, audio):
+        return (self.decoder(self.encoder(audio)),)
+
+
+def _speech2text_encoder():
+    config = T.Speech2TextConfig(
+        vocab_size=V, d_model=H, encoder_layers=2, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, input_feat_per_channel=24, conv_channels=32,
+        max_source_positions=64,
+    )  # fmt: skip
+    return T.Speech2TextModel(config).encoder
+
+
+#: Stop 37's hunt (tests/realmodels/FINDINGS.md 9): LSTM and weight-normed conv1d
+#: (EnCodec), conv projections in attention (CvT), relative attention (XLNet),
+#: rotary parallel blocks (GPT-J), asymmetric kernels (TextNet), pooled windows
+#: (Hiera), state written in forward (RWKV), selective scan (Mamba), a conv
+#: subsampler with GLU (Speech2Text), windowed attention (ViTDet).
+MORE.update(
+    {
+        "encodec": (
+            "audio",
+            lambda: EncodecCodec(
+                T.EncodecModel(
+                    T.EncodecConfig(
+                        num_filters=8,
+                        upsampling_ratios=[4, 2],
+                        codebook_size=32,
+                        hidden_size=16,
+                        num_lstm_layers=1,
+                        target_bandwidths=[1.5],
+                        sampling_rate=8000,
+                        audio_channels=1,
+                    )  # fmt: skip
+                )
+            ),
+            _mono_audio,
+        ),
+        "cvt": (
+            "vision",
+            # transformers' CvT indexes its drop-path rates past the end below 13 blocks
+            _model(
+                T.CvtForImageClassification,
+                T.CvtConfig,
+                embed_dim=[16, 24, 32],
+                num_heads=[1, 1, 2],
+                depth=[1, 2, 10],
+                num_labels=10,
+            ),  # fmt: skip
+            M._images,
+        ),
+        "xlnet": (
+            "text",
+            _model(
+                T.XLNetModel,
+                T.XLNetConfig,
+                vocab_size=V,
+                d_model=H,
+                n_layer=2,
+                n_head=2,
+                d_inner=64,
+                use_mems_eval=False,
+            ),  # fmt: skip
+            M._tokens,
+        ),
+        "gptj": (
+            "text",
+            _model(
+                T.GPTJModel,
+                T.GPTJConfig,
+                vocab_size=V,
+                n_embd=H,
+                n_layer=2,
+                n_head=2,
+                rotary_dim=8,
+                n_positions=32,
+                use_cache=False,
+            ),  # fmt: skip
+            M._tokens,
+        ),
+        "textnet": ("vision", _model(T.TextNetModel, T.TextNetConfig), M._images),
+        "hiera": (
+            "vision",
+            _model(
+                T.HieraForImageClassification,
+                T.HieraConfig,
+                embed_dim=16,
+                image_size=[32, 32],
+                patch_size=[3, 3],
+                patch_stride=[2, 2],
+                patch_padding=[1, 1],
+                depths=[1, 1],
+                num_heads=[1, 2],
+                query_stride=[2, 2],
+                masked_unit_size=[4, 4],
+                num_query_pool=1,
+                num_labels=10,
+            ),  # fmt: skip
+            M._images,
+        ),
+        "rwkv": (
+            "text",
+            _model(
+                T.RwkvModel,
+                T.RwkvConfig,
+                vocab_size=V,
+                context_length=32,
+                hidden_size=H,
+                num_hidden_layers=2,
+                attention_hidden_size=H,
+                intermediate_size=64,
+                use_cache=False,
+            ),  # fmt: skip
+            M._tokens,
+        ),
+        "mamba": (
+            "text",
+            _model(
+                T.MambaModel,
+                T.MambaConfig,
+                vocab_size=V,
+                hidden_size=H,
+                state_size=8,
+                num_hidden_layers=2,
+                expand=2,
+                conv_kernel=4,
+                use_cache=False,
+            ),  # fmt: skip
+            M._tokens,
+        ),
+        "speech2text_encoder": ("audio", _speech2text_encoder, _fbank),
+        "vitdet": (
+            "vision",
+            _model(
+                T.VitDetModel,
+                T.VitDetConfig,
+                hidden_size=H,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                mlp_ratio=2,
+                image_size=32,
+                pretrain_image_size=32,
+                patch_size=8,
+                out_features=["stage2"],
+            ),  # fmt: skip
+            M._images,
+        ),
+    }
+)
+
+
 class DeiTBody(nn.Module):
     def __init__(self, model):
         super().__init__()
@@ -725,7 +895,7 @@ BODIES = {
 }
 #: The decoders have FX bodies only where written above: the rest run on PT2E.
 DECODERS = ("gemma", "mistral", "bloom", "falcon", "gpt_neox", "gpt_neo", "codegen")
-DECODERS += ("gpt_bigcode",)
+DECODERS += ("gpt_bigcode", "gptj")
 DEFAULT_CASES = ("fx:x86", "fx:qnnpack", "fx:fbgemm", "pt2e:x86", "pt2e:qnnpack")
 
 
