@@ -639,7 +639,7 @@ MORE.update(
                         target_bandwidths=[1.5],
                         sampling_rate=8000,
                         audio_channels=1,
-                    )  # fmt: skip
+                    )
                 )
             ),
             _mono_audio,
@@ -654,7 +654,7 @@ MORE.update(
                 num_heads=[1, 1, 2],
                 depth=[1, 2, 10],
                 num_labels=10,
-            ),  # fmt: skip
+            ),
             M._images,
         ),
         "xlnet": (
@@ -668,7 +668,7 @@ MORE.update(
                 n_head=2,
                 d_inner=64,
                 use_mems_eval=False,
-            ),  # fmt: skip
+            ),
             M._tokens,
         ),
         "gptj": (
@@ -683,7 +683,7 @@ MORE.update(
                 rotary_dim=8,
                 n_positions=32,
                 use_cache=False,
-            ),  # fmt: skip
+            ),
             M._tokens,
         ),
         "textnet": ("vision", _model(T.TextNetModel, T.TextNetConfig), M._images),
@@ -703,7 +703,7 @@ MORE.update(
                 masked_unit_size=[4, 4],
                 num_query_pool=1,
                 num_labels=10,
-            ),  # fmt: skip
+            ),
             M._images,
         ),
         "rwkv": (
@@ -718,7 +718,7 @@ MORE.update(
                 attention_hidden_size=H,
                 intermediate_size=64,
                 use_cache=False,
-            ),  # fmt: skip
+            ),
             M._tokens,
         ),
         "mamba": (
@@ -733,7 +733,7 @@ MORE.update(
                 expand=2,
                 conv_kernel=4,
                 use_cache=False,
-            ),  # fmt: skip
+            ),
             M._tokens,
         ),
         "speech2text_encoder": ("audio", _speech2text_encoder, _fbank),
@@ -750,7 +750,7 @@ MORE.update(
                 pretrain_image_size=32,
                 patch_size=8,
                 out_features=["stage2"],
-            ),  # fmt: skip
+            ),
             M._images,
         ),
     }
